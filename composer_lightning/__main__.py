@@ -1,0 +1,8 @@
+"""`python -m composer_lightning fit --config configs/<name>.yaml` | `heads`."""
+
+import sys
+
+from composer_lightning.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

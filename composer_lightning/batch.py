@@ -1,0 +1,149 @@
+"""The `RolloutBatch` contract between the rollout side and the module.
+
+One rollout batch holds the surviving samples of P prompts x G samples (dropped samples never
+enter it). Every per-token tensor is `[B, T]` and aligned with `input_ids` (prompt ⊕ response,
+padded); `logprobs[b, t]` is the log-prob of token t given the tokens before it. See DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DPOPairs:
+    """Chosen/rejected sequences for replay DPO, with stored reference log-probs.
+
+    Per-token tensors are `[N, T]`; reference log-probs are sequence sums `[N]` over the
+    response tokens.
+    """
+
+    chosen_input_ids: Tensor  # [N, Tc]
+    chosen_attention_mask: Tensor  # [N, Tc]
+    chosen_response_mask: Tensor  # [N, Tc]
+    rejected_input_ids: Tensor  # [N, Tr]
+    rejected_attention_mask: Tensor  # [N, Tr]
+    rejected_response_mask: Tensor  # [N, Tr]
+    ref_chosen_logprobs: Tensor  # [N]
+    ref_rejected_logprobs: Tensor  # [N]
+
+    def __len__(self) -> int:
+        return int(self.chosen_input_ids.shape[0])
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of scored rollouts, as the module consumes it.
+
+    Attributes:
+        input_ids: `[B, T]` prompt ⊕ response token ids, padded.
+        attention_mask: `[B, T]` 1 on real tokens.
+        response_mask: `[B, T]` bool, generated tokens that carry loss.
+        rewards: `[B]` float; meaningful only where `has_reward`.
+        has_reward: `[B]` bool, the score provider gave a usable score.
+        group_ids: `[B]` long, samples of one prompt share an id.
+        max_response_length: the engine's `max_tokens`; the default `norm_length`.
+        policy_version: the weight version that generated the batch.
+        engine_logprobs: `[B, T]` sampled-token log-probs reported by the engine (canary).
+        has_teacher: `[B]` bool, an accepted hint exists for the sample.
+        teacher_input_ids: `[B, T']` hinted context ⊕ the same response.
+        teacher_attention_mask: `[B, T']`.
+        teacher_positions: `[B, T]` long, teacher position of each student response token, -1
+            elsewhere.
+        sdpo_mask: `[B, T]` bool, response tokens the SDPO head supervises.
+        dpo_pairs: optional replay pairs recorded by the rollout side.
+        extras: free-form per-batch information (metrics of the rollout side, task fields).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    rewards: Tensor
+    has_reward: Tensor
+    group_ids: Tensor
+    max_response_length: int
+    policy_version: int = 0
+    engine_logprobs: Tensor | None = None
+    has_teacher: Tensor | None = None
+    teacher_input_ids: Tensor | None = None
+    teacher_attention_mask: Tensor | None = None
+    teacher_positions: Tensor | None = None
+    sdpo_mask: Tensor | None = None
+    dpo_pairs: DPOPairs | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.response_mask = self.response_mask.bool()
+        self.has_reward = self.has_reward.bool()
+        B = self.input_ids.shape[0]
+        if self.has_teacher is None:
+            self.has_teacher = torch.zeros(B, dtype=torch.bool, device=self.input_ids.device)
+        self.has_teacher = self.has_teacher.bool()
+        if self.sdpo_mask is None:
+            self.sdpo_mask = torch.zeros_like(self.response_mask)
+        self.sdpo_mask = self.sdpo_mask.bool()
+        self.validate()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def validate(self) -> None:
+        """Check shapes against the contract; raise `ValueError` naming the offending field."""
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(self.input_ids.shape)}")
+        B, T = self.input_ids.shape
+        per_token = ["attention_mask", "response_mask", "sdpo_mask", "engine_logprobs", "teacher_positions"]
+        per_sample = ["rewards", "has_reward", "group_ids", "has_teacher"]
+        for name in per_token:
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (B, T):
+                raise ValueError(
+                    f"RolloutBatch.{name} has shape {tuple(t.shape)}; expected {(B, T)} like input_ids"
+                )
+        for name in per_sample:
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (B,):
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(t.shape)}; expected {(B,)}")
+        if self.teacher_input_ids is not None:
+            if self.teacher_positions is None:
+                raise ValueError("RolloutBatch.teacher_input_ids is set but teacher_positions is None")
+            if self.teacher_input_ids.shape[0] != B:
+                raise ValueError(
+                    f"RolloutBatch.teacher_input_ids has shape {tuple(self.teacher_input_ids.shape)}; "
+                    f"expected batch size {B}"
+                )
+            if self.teacher_attention_mask is None or (
+                self.teacher_attention_mask.shape != self.teacher_input_ids.shape
+            ):
+                raise ValueError(
+                    "RolloutBatch.teacher_attention_mask must have the shape of teacher_input_ids "
+                    f"{tuple(self.teacher_input_ids.shape)}"
+                )
+        if self.max_response_length <= 0:
+            raise ValueError(f"max_response_length must be > 0, got {self.max_response_length}")
+
+    def select(self, index: Tensor) -> RolloutBatch:
+        """The sub-batch of rows `index` (a minibatch); replay pairs and extras are shared."""
+        kwargs: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == self.batch_size:
+                v = v[index]
+            kwargs[f.name] = v
+        return replace(self, **kwargs)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        kwargs: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                v = v.to(device)
+            elif isinstance(v, DPOPairs):
+                v = DPOPairs(**{k.name: getattr(v, k.name).to(device) for k in fields(v)})
+            kwargs[f.name] = v
+        return replace(self, **kwargs)

@@ -1,0 +1,1 @@
+"""Callbacks: rollout generation, scoring and weight push."""

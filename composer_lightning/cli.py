@@ -1,0 +1,40 @@
+"""The command line: `python -m composer_lightning fit --config <yaml>` and `... heads`."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+from composer_lightning.heads import registry
+
+
+def list_heads(stream=sys.stdout) -> int:
+    """Print `name → class_path` for every registered head; report broken plugins by name."""
+    entries = registry.load_all()
+    width = max(len(e.name) for e in entries)
+    for e in entries:
+        if e.error is None:
+            doc = (e.cls.__doc__ or "").strip().splitlines()
+            print(f"{e.name:<{width}}  {e.class_path}  {doc[0] if doc else ''}".rstrip(), file=stream)
+        else:
+            print(f"{e.name:<{width}}  {e.class_path}  FAILED TO IMPORT: {e.error}", file=stream)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "heads":
+        return list_heads()
+    # Import every registered head first so the CLI can resolve them; a broken plugin is
+    # reported and the others stay usable.
+    for e in registry.load_all():
+        if e.error is not None:
+            warnings.warn(f"head plugin {e.name!r} ({e.value}) failed to import: {e.error}", stacklevel=1)
+    import lightning as L
+    from lightning.pytorch.cli import LightningCLI
+
+    from composer_lightning.module import ComposerModule
+
+    LightningCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
+                 save_config_kwargs={"overwrite": True})
+    return 0

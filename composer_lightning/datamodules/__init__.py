@@ -1,0 +1,1 @@
+"""Datamodules: prompt streams for the rollout callback, and synthetic rollout batches."""

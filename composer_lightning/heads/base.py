@@ -1,0 +1,112 @@
+"""The head protocol: what a plug-in loss head is and what it receives.
+
+A head turns the batch and the shared step outputs into either an advantage term (`[B, T]`,
+mixed into ONE clipped surrogate) or a scalar loss (added as `weight x loss`), plus metrics.
+The module never branches on head type; a head declares what it needs in `requires`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import Tensor
+
+from composer_lightning.heads.schedules import Schedule
+
+if TYPE_CHECKING:
+    from composer_lightning.batch import RolloutBatch
+    from composer_lightning.step import StepContext
+
+#: What a head may ask the step for (see `StepContext`).
+REQUIREMENTS = frozenset(
+    {"logits", "entropy", "teacher_logprobs", "teacher_logits", "ref_logprobs", "sequence_logprobs"}
+)
+
+
+@dataclass
+class HeadOutput:
+    """What a head returns for one minibatch.
+
+    Exactly one of `advantages` and `loss` is set.
+
+    Attributes:
+        advantages: `[B, T]` a term of the mixed advantage (detached), or None.
+        loss: a scalar added to the objective as `weight x loss`, or None.
+        active_mask: `[B, T]` bool, tokens where the advantage term is defined (used by variance
+            matching); None means the response mask.
+        metrics: scalars, logged as `<head name>/<metric>`.
+    """
+
+    advantages: Tensor | None = None
+    loss: Tensor | None = None
+    active_mask: Tensor | None = None
+    metrics: dict[str, Tensor | float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.advantages is None) == (self.loss is None):
+            raise ValueError("HeadOutput needs exactly one of `advantages` or `loss`")
+        if self.loss is not None and self.loss.dim() != 0:
+            raise ValueError(f"HeadOutput.loss must be a scalar, got shape {tuple(self.loss.shape)}")
+
+
+class Head(ABC):
+    """Base class of every loss head (built-in and plug-in).
+
+    Subclasses set `requires` (a subset of `REQUIREMENTS`) and implement `compute`. `name` is
+    the metric prefix and must be unique within a module; `weight` multiplies the head's term
+    and `schedule` (optional) multiplies `weight` by a function of the global step.
+
+    Args:
+        name: metric prefix; defaults to the class's `default_name`.
+        weight: non-negative, finite multiplier.
+        schedule: optional weight schedule of the global step.
+    """
+
+    default_name: ClassVar[str] = "head"
+    requires: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, name: str | None = None, weight: float = 1.0, schedule: Schedule | None = None):
+        self.name = name if name is not None else self.default_name
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"head name must be a non-empty string, got {self.name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ValueError(f"{self.name}: weight must be a number, got {weight!r}")
+        if math.isnan(weight) or math.isinf(weight) or weight < 0:
+            raise ValueError(f"{self.name}: weight must be finite and >= 0, got {weight}")
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise ValueError(f"{self.name}: schedule must be a Schedule, got {type(schedule).__name__}")
+        unknown = set(self.requires) - REQUIREMENTS
+        if unknown:
+            raise ValueError(f"{type(self).__name__}.requires has unknown entries {sorted(unknown)}; "
+                             f"expected a subset of {sorted(REQUIREMENTS)}")
+        self.weight = float(weight)
+        self.schedule = schedule
+
+    def effective_weight(self, step: int) -> float:
+        """`weight x schedule(step)`."""
+        return self.weight * (self.schedule(step) if self.schedule is not None else 1.0)
+
+    @abstractmethod
+    def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
+        """Return this head's term for one minibatch."""
+
+    def on_rollout(self, batch: RolloutBatch, old_logprobs: Tensor) -> None:  # noqa: B027
+        """Called once per rollout batch before its first update (e.g. to record replay pairs).
+
+        Args:
+            batch: the whole rollout batch.
+            old_logprobs: `[B, T]` the trainer's log-probs of the batch at this point (detached).
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Head state saved in checkpoints (replay buffers, counters)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
+        """Restore what `state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, weight={self.weight})"

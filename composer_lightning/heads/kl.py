@@ -1,0 +1,52 @@
+"""KL to a frozen reference, in the advantage (classic KL-in-reward, k1) or in the loss (k2/k3).
+
+Estimators (Schulman, "Approximating KL Divergence", 2020) with `ρ = π_ref/π_θ` on sampled
+tokens: `k1 = −log ρ`, `k2 = ½(log ρ)²`, `k3 = ρ − 1 − log ρ`. k1 is refused in the loss: its
+expected gradient is zero.
+"""
+
+from __future__ import annotations
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.functional import kl_penalty
+from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.heads.schedules import Schedule
+from composer_lightning.step import StepContext
+
+_PLACEMENTS = ("advantage", "loss")
+
+
+class KLHead(Head):
+    """KL penalty to the reference model.
+
+    Args:
+        kl_coef: the KL coefficient (the head's weight). With 0 no reference model is built.
+        estimator: `k1` (advantage only), `k2` or `k3`.
+        placement: `advantage` (`−kl_coef · k1_t`, detached) or `loss` (`kl_coef · aggregate(k)`).
+    """
+
+    default_name = "kl"
+    requires = frozenset({"ref_logprobs"})
+
+    def __init__(self, kl_coef: float = 0.001, estimator: str = "k1", placement: str = "advantage",
+                 name: str | None = None, schedule: Schedule | None = None):
+        super().__init__(name=name, weight=kl_coef, schedule=schedule)
+        if placement not in _PLACEMENTS:
+            raise ValueError(f"{self.name}: placement must be one of {_PLACEMENTS}, got {placement!r}")
+        if estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"{self.name}: estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+        if placement == "loss" and estimator == "k1":
+            raise ValueError(f"{self.name}: estimator 'k1' cannot be used in the loss (its expected "
+                             "gradient is zero); use 'k2' or 'k3', or placement='advantage'")
+        self.estimator = estimator
+        self.placement = placement
+
+    def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
+        mask = batch.response_mask
+        kl = kl_penalty(ctx.logprobs, ctx.ref_logprobs, self.estimator)  # [B, T]
+        kl = kl.masked_fill(~mask, 0.0)
+        n = mask.sum().clamp(min=1)
+        metrics = {f"{self.estimator}_mean": kl.detach().sum() / n}
+        if self.placement == "advantage":
+            return HeadOutput(advantages=-kl.detach(), active_mask=mask, metrics=metrics)
+        return HeadOutput(loss=ctx.aggregate(kl, mask), metrics=metrics)

@@ -1,0 +1,40 @@
+"""OPD teacher advantage (OpenClaw-RL "combine"): `A_t = teacher_logprobs_t − old_logprobs_t`.
+
+The teacher is the live policy (no grad) on the hinted context by default, or a separate
+frozen teacher model; either way the module runs ONE teacher forward shared with SDPO.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.functional import opd_advantages
+from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.step import StepContext
+
+
+class OPDHead(Head):
+    """Per-token teacher advantage on samples with an accepted hint; exactly 0 elsewhere.
+
+    Samples whose teacher positions do not map onto the same tokens are left out (0) with a
+    warning, never computed on misaligned tokens.
+    """
+
+    default_name = "opd"
+    requires = frozenset({"teacher_logprobs"})
+
+    def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
+        aligned = ctx.teacher_aligned  # [B]
+        misaligned = batch.has_teacher & ~aligned
+        if misaligned.any():
+            warnings.warn(f"{self.name}: {int(misaligned.sum())} sample(s) with misaligned teacher "
+                          "positions get no OPD term", stacklevel=2)
+        active = batch.response_mask & (batch.has_teacher & aligned).unsqueeze(1)  # [B, T]
+        advantages = opd_advantages(ctx.teacher_logprobs, ctx.old_logprobs, active)
+        return HeadOutput(
+            advantages=advantages.detach(),
+            active_mask=active,
+            metrics={"teacher_frac": batch.has_teacher.float().mean(),
+                     "misaligned": float(misaligned.sum())},
+        )

@@ -1,0 +1,68 @@
+"""SDPO: generalised-JSD self-distillation against the same model given a hint.
+
+The student (grad) and the teacher (no grad; the policy on the hinted context, or a frozen
+teacher model) are compared over the full vocabulary at `sdpo_mask` positions (GKD convention,
+Agarwal et al. 2024; TRL `generalized_jsd_loss`), with the OPSD element-wise clip.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.functional import generalized_jsd_per_token, masked_aggregate
+from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.heads.schedules import LinearWarmup, Schedule
+from composer_lightning.step import StepContext
+
+
+class SDPOHead(Head):
+    """Generalised JSD between student and hinted-teacher logits, mean over masked tokens.
+
+    Args:
+        beta: JSD interpolation in [0, 1] (0: KL(teacher‖student), 1: KL(student‖teacher)).
+        temperature: τ > 0 applied to both logits inside the divergence.
+        clip: cap (> 0) on each vocabulary entry's term (`clip_mode="element"`) or on the
+            per-token sum (`"token"`); None disables it.
+        warmup_steps: linear warm-up of the weight (ignored when `schedule` is given).
+    """
+
+    default_name = "sdpo"
+    requires = frozenset({"logits", "teacher_logits"})
+
+    def __init__(self, weight: float = 1.0, beta: float = 0.5, temperature: float = 1.0,
+                 clip: float | None = 0.05, clip_mode: str = "element", warmup_steps: int = 0,
+                 name: str | None = None, schedule: Schedule | None = None):
+        if schedule is None and warmup_steps:
+            schedule = LinearWarmup(warmup_steps)
+        super().__init__(name=name, weight=weight, schedule=schedule)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"{self.name}: beta must be in [0, 1], got {beta}")
+        if not temperature > 0:
+            raise ValueError(f"{self.name}: temperature must be > 0, got {temperature}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"{self.name}: clip must be > 0 or None, got {clip}")
+        if clip_mode not in ("element", "token"):
+            raise ValueError(f"{self.name}: clip_mode must be 'element' or 'token', got {clip_mode!r}")
+        self.beta, self.temperature, self.clip, self.clip_mode = beta, temperature, clip, clip_mode
+
+    def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
+        mask = batch.sdpo_mask & batch.has_teacher.unsqueeze(1)  # [B, T]
+        supervised = mask.any(dim=1)  # [B]
+        misaligned = supervised & ~ctx.teacher_aligned
+        zero = ctx.logits.sum() * 0.0  # keeps the graph, contributes nothing
+        if misaligned.any():
+            warnings.warn(f"{self.name}: teacher positions do not align with the student's response "
+                          f"tokens in {int(misaligned.sum())} sample(s); SDPO term skipped this step",
+                          stacklevel=2)
+            return HeadOutput(loss=zero, metrics={"skipped": 1.0, "tokens": 0.0})
+        if not mask.any():
+            return HeadOutput(loss=zero, metrics={"skipped": 0.0, "tokens": 0.0})
+        per_token, capped = generalized_jsd_per_token(
+            ctx.logits, ctx.teacher_logits.detach(), beta=self.beta, temperature=self.temperature,
+            clip=self.clip, clip_mode=self.clip_mode,
+        )  # [B, T] each
+        loss = masked_aggregate(per_token, mask, "token_mean")
+        return HeadOutput(loss=loss, metrics={
+            "jsd": loss.detach(), "capped_frac": masked_aggregate(capped, mask, "token_mean"),
+            "tokens": float(mask.sum()), "skipped": 0.0})

@@ -1,0 +1,1 @@
+"""Model helpers: loading, and tiny models built offline."""
