@@ -180,7 +180,7 @@ class ComposerModule(L.LightningModule):
         required = (mb.response_mask & mb.has_teacher.unsqueeze(1)) | mb.sdpo_mask
         aligned = teacher_alignment(mb.input_ids, mb.teacher_input_ids, mb.teacher_positions, required)
         gathered = gather_teacher_logits(t_logits, mb.teacher_positions)  # [B, T, V]
-        lp = torch.log_softmax(gathered.float() / self.temperature, dim=-1)
+        lp = torch.log_softmax(gathered / self.temperature, dim=-1)
         lp = lp.gather(-1, mb.input_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
         lp = torch.where(mb.teacher_positions >= 1, lp, torch.zeros_like(lp))
         return {"teacher_aligned": aligned, "teacher_logprobs": lp, "teacher_logits": gathered}

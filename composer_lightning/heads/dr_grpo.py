@@ -15,9 +15,10 @@ class DrGRPOHead(Head):
     default_name = "dr_grpo"
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
-        adv = dr_grpo_advantages(batch.rewards.float(), batch.group_ids, batch.has_reward)  # [B]
+        rewards = batch.rewards.to(ctx.logprobs.dtype)
+        adv = dr_grpo_advantages(rewards, batch.group_ids, batch.has_reward)  # [B]
         active = batch.response_mask & batch.has_reward.unsqueeze(1)  # [B, T]
-        advantages = (adv.unsqueeze(1) * active).to(ctx.logprobs.dtype)
+        advantages = adv.unsqueeze(1) * active
         return HeadOutput(
             advantages=advantages.detach(),
             active_mask=active,

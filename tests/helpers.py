@@ -1,0 +1,65 @@
+"""Shared test helpers: tiny models and hand-made rollout batches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.models.factory import TinyLlama
+
+
+def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: int = 64) -> nn.Module:
+    return TinyLlama(vocab_size=vocab_size, hidden_size=32, num_layers=1, num_heads=1,
+                     intermediate_size=64, seed=seed).to(dtype)
+
+
+class ScriptedTeacher(nn.Module):
+    """A frozen teacher whose logits are given: it checks it is asked about the expected context."""
+
+    def __init__(self, expected_ids: Tensor, logits: Tensor):
+        super().__init__()
+        self.expected_ids, self.logits = expected_ids, logits
+        self.calls = 0
+
+    def forward(self, input_ids: Tensor, **_: object) -> Tensor:
+        assert torch.equal(input_ids, self.expected_ids), "teacher asked about an unexpected context"
+        self.calls += 1
+        return self.logits
+
+
+def one_sample_batch(prompt: list[int], response: list[int], hint: list[int], *, reward: float,
+                     has_reward: bool, has_teacher: bool) -> RolloutBatch:
+    """One sample (G = 1): prompt ⊕ response, teacher = prompt ⊕ hint ⊕ response."""
+    P, R, H = len(prompt), len(response), len(hint)
+    ids = torch.tensor([prompt + response])
+    teacher_ids = torch.tensor([prompt + hint + response])
+    pos = torch.arange(P + R)
+    response_mask = (pos >= P).unsqueeze(0)
+    positions = torch.where(response_mask, pos + H, -1)
+    return RolloutBatch(
+        input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=response_mask,
+        rewards=torch.tensor([reward]), has_reward=torch.tensor([has_reward]),
+        group_ids=torch.tensor([0]), max_response_length=R,
+        has_teacher=torch.tensor([has_teacher]), teacher_input_ids=teacher_ids,
+        teacher_attention_mask=torch.ones_like(teacher_ids), teacher_positions=positions,
+        sdpo_mask=response_mask & has_teacher,
+    )
+
+
+def teacher_logits_for(logprobs_target: Tensor, teacher_ids: Tensor, first_response_pos: int,
+                       vocab_size: int) -> Tensor:
+    """`[1, T', V]` logits under which token `teacher_ids[p]` has log-prob `logprobs_target[j]`
+    at response position p = first_response_pos + j (the rest of the mass spread uniformly)."""
+    T = teacher_ids.shape[1]
+    probs = torch.full((1, T, vocab_size), 1.0 / vocab_size, dtype=torch.float64)
+    for j, lp in enumerate(logprobs_target.tolist()):
+        p = first_response_pos + j
+        q = math.exp(lp)
+        assert q < 1
+        row = torch.full((vocab_size,), (1 - q) / (vocab_size - 1), dtype=torch.float64)
+        row[teacher_ids[0, p]] = q
+        probs[0, p - 1] = row
+    return probs.log()
