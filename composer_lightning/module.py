@@ -87,8 +87,9 @@ class ComposerModule(L.LightningModule):
         max_logprob_gap: float | None = 0.05,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=[k for k, v in (("policy", policy), ("reference", reference),
-                                                         ("teacher", teacher)) if isinstance(v, nn.Module)])
+        self.save_hyperparameters(ignore=_live_objects(policy=policy, heads=heads, reference=reference,
+                                                       teacher=teacher, optimizer=optimizer,
+                                                       lr_scheduler=lr_scheduler))
         self.automatic_optimization = False
         self.heads = _check_heads(heads)
         _check_settings(clip_low, clip_high, dual_clip, aggregation, norm_length, entropy_coef,
@@ -327,6 +328,23 @@ class ComposerModule(L.LightningModule):
         for head in self.heads:
             if head.name in state.get("heads", {}):
                 head.load_state_dict(state["heads"][head.name])
+
+
+def _live_objects(**args: Any) -> list[str]:
+    """Arguments to keep out of the checkpoint's hyper-parameters.
+
+    Under LightningCLI the hyper-parameters are the parsed `class_path` config (safe to load with
+    `weights_only`, and `load_from_checkpoint` rebuilds from them); built in Python, the heads,
+    models and factories are live objects, which are not stored.
+    """
+    try:
+        from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+        if _given_hyperparameters.get() is not None:
+            return []
+    except ImportError:  # pragma: no cover - a Lightning without the CLI context
+        pass
+    return [k for k, v in args.items() if v is not None and not isinstance(v, (str, int, float))]
 
 
 def _masked_stats(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,6 @@ from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
-from composer_lightning.heads.schedules import LinearWarmup
 from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.module import ComposerModule
 from tests.helpers import ScriptedTeacher, one_sample_batch, teacher_logits_for, tiny_model

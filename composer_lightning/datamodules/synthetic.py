@@ -24,7 +24,7 @@ def synthetic_batch(generator: torch.Generator, *, prompts: int = 2, group_size:
     """One random `RolloutBatch` with right-padded, variable-length responses."""
     g = generator
     B, P, R, H = prompts * group_size, prompt_length, response_length, hint_length
-    T, Tt = P + R, P + H + R
+    T = P + R
     ids = torch.randint(3, vocab_size, (B, T), generator=g)
     lengths = torch.randint(1, R + 1, (B,), generator=g)  # response lengths
     pos = torch.arange(T)

@@ -43,8 +43,7 @@ class KLHead(Head):
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         mask = batch.response_mask
-        kl = kl_penalty(ctx.logprobs, ctx.ref_logprobs, self.estimator)  # [B, T]
-        kl = kl.masked_fill(~mask, 0.0)
+        kl = kl_penalty(ctx.logprobs, ctx.ref_logprobs, self.estimator, response_mask=mask)  # [B, T]
         n = mask.sum().clamp(min=1)
         metrics = {f"{self.estimator}_mean": kl.detach().sum() / n}
         if self.placement == "advantage":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.functional import generalized_jsd_per_token, masked_aggregate
+from composer_lightning.functional import generalized_jsd_per_token
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import LinearWarmup, Schedule
 from composer_lightning.step import StepContext
@@ -58,11 +58,12 @@ class SDPOHead(Head):
             return HeadOutput(loss=zero, metrics={"skipped": 1.0, "tokens": 0.0})
         if not mask.any():
             return HeadOutput(loss=zero, metrics={"skipped": 0.0, "tokens": 0.0})
+        # only the supervised tokens enter the full-vocabulary divergence: [N, V]
         per_token, capped = generalized_jsd_per_token(
-            ctx.logits, ctx.teacher_logits.detach(), beta=self.beta, temperature=self.temperature,
-            clip=self.clip, clip_mode=self.clip_mode,
-        )  # [B, T] each
-        loss = masked_aggregate(per_token, mask, "token_mean")
+            ctx.logits[mask], ctx.teacher_logits[mask].detach(), beta=self.beta,
+            temperature=self.temperature, clip=self.clip, clip_mode=self.clip_mode,
+        )  # [N] each
+        loss = per_token.mean()
         return HeadOutput(loss=loss, metrics={
-            "jsd": loss.detach(), "capped_frac": masked_aggregate(capped, mask, "token_mean"),
+            "jsd": loss.detach(), "capped_frac": capped.float().mean(),
             "tokens": float(mask.sum()), "skipped": 0.0})

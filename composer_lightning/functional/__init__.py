@@ -1,0 +1,29 @@
+"""Pure loss and advantage math: tensors in, tensors out; no Lightning, no I/O.
+
+Heads are thin adapters over these functions; see DESIGN.md for the conventions.
+"""
+
+from .advantages import dr_grpo_advantages, opd_advantages
+from .chunked import chunked_entropy_from_hidden, chunked_logprobs_from_hidden
+from .dpo import dpo_loss, dpo_rewards
+from .jsd import generalized_jsd, generalized_jsd_per_token
+from .kl import kl_penalty
+from .logprobs import entropy_from_logits, logprobs_from_logits, sequence_logprobs
+from .policy import masked_aggregate, policy_loss
+
+__all__ = [
+    "chunked_entropy_from_hidden",
+    "chunked_logprobs_from_hidden",
+    "dpo_loss",
+    "dpo_rewards",
+    "dr_grpo_advantages",
+    "entropy_from_logits",
+    "generalized_jsd",
+    "generalized_jsd_per_token",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_aggregate",
+    "opd_advantages",
+    "policy_loss",
+    "sequence_logprobs",
+]

@@ -1,0 +1,140 @@
+"""Generalised Jensen-Shannon divergence between student and teacher token distributions.
+
+Follows the GKD convention (Agarwal et al. 2024, "On-Policy Distillation of Language Models:
+Learning from Self-Generated Mistakes", https://arxiv.org/abs/2306.13649) as implemented by
+TRL's `GKDTrainer.generalized_jsd_loss`: beta = 0 is KL(teacher || student), beta = 1 is
+KL(student || teacher), and the interior uses the mixture M = beta*p_T + (1-beta)*p_S. The end
+points are deliberately discontinuous with the interior (the interior tends to 0, not to a KL,
+as beta -> 0 or 1). Logits must be finite (an entry at -inf in both makes 0 * (-inf) = NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._checks import (
+    as_bool_mask,
+    check_choice,
+    check_ndim,
+    check_range,
+    check_same_shape,
+    shape_str,
+)
+from .logprobs import upcast
+
+CLIP_MODES = ("element", "token")
+
+
+def generalized_jsd_per_token(
+    student_logits: Tensor,  # [B, T, V] or [N, V]
+    teacher_logits: Tensor,  # [B, T, V] or [N, V]
+    mask: Tensor | None = None,  # [B, T] or [N], bool or 0/1 float; None = all tokens
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    clip: float | None = None,
+    clip_mode: str = "element",
+) -> tuple[Tensor, Tensor]:  # [B, T], [B, T]
+    """Per-token generalised JSD and the fraction of it that the clip capped.
+
+    With `p_S = softmax(student_logits / temperature)`, `p_T = softmax(teacher_logits /
+    temperature)` (no temperature^2 factor), each vocabulary entry contributes
+    `p(v) * (log p(v) - log q(v))` to a KL, computed in log space; log M is a log-sum-exp.
+    `clip_mode="element"` caps each vocabulary entry's (beta-weighted) term at `clip` before the
+    sum over V (as the OPSD code's `jsd_token_clip`); `clip_mode="token"` caps the per-token
+    sum. A cap zeroes the gradient of what it caps.
+
+    Args:
+        student_logits: Student logits (with grad).
+        teacher_logits: Teacher logits (callers detach them).
+        mask: Tokens to compute; others are exactly 0 and their logits (even NaN) reach
+            neither value nor gradient.
+        beta: Interpolation in [0, 1]; 0 = KL(p_T || p_S), 1 = KL(p_S || p_T).
+        temperature: Softmax temperature, > 0.
+        clip: Cap (> 0), or None for none.
+        clip_mode: `"element"` or `"token"`.
+
+    Returns:
+        `(per_token, capped_fraction)`: the divergence per token, and per token the fraction
+        of vocabulary entries capped (`element`) or 1.0 where the token's sum was capped
+        (`token`); both 0 off the mask. Half-precision logits are computed in float32.
+    """
+    check_range("beta", beta, 0.0, 1.0, low_closed=True, high_closed=True)
+    check_range("temperature", temperature, 0.0)
+    if clip is not None:
+        check_range("clip", clip, 0.0)
+    check_choice("clip_mode", clip_mode, CLIP_MODES)
+    check_ndim("student_logits", student_logits, (2, 3))
+    check_same_shape(("student_logits", student_logits), ("teacher_logits", teacher_logits))
+    s, t = upcast(student_logits), upcast(teacher_logits)
+    m = None
+    if mask is not None:
+        if mask.shape != s.shape[:-1]:
+            raise ValueError(
+                f"mask {shape_str(mask)} must match student_logits {shape_str(s)} "
+                "without its vocabulary dimension"
+            )
+        m = as_bool_mask(mask)
+        zero = torch.zeros((), dtype=s.dtype, device=s.device)
+        s = torch.where(m[..., None], s, zero)
+        t = torch.where(m[..., None], t, zero)
+
+    log_ps = torch.log_softmax(s / temperature, dim=-1)  # [..., V]
+    log_pt = torch.log_softmax(t / temperature, dim=-1)  # [..., V]
+    if beta == 0.0:
+        terms = log_pt.exp() * (log_pt - log_ps)
+    elif beta == 1.0:
+        terms = log_ps.exp() * (log_ps - log_pt)
+    else:
+        # log M = logsumexp([log beta + log p_T, log(1 - beta) + log p_S]); logaddexp is the
+        # two-term logsumexp without materialising the stack.
+        log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log1p(-beta))
+        terms = beta * log_pt.exp() * (log_pt - log_m) + (1.0 - beta) * log_ps.exp() * (
+            log_ps - log_m
+        )
+
+    if clip is not None and clip_mode == "element":
+        capped = (terms > clip).to(terms.dtype).mean(dim=-1)
+        per_token = terms.clamp(max=clip).sum(dim=-1)
+    else:
+        per_token = terms.sum(dim=-1)
+        if clip is not None:
+            capped = (per_token > clip).to(per_token.dtype)
+            per_token = per_token.clamp(max=clip)
+        else:
+            capped = torch.zeros_like(per_token)
+    if m is not None:
+        per_token = torch.where(m, per_token, torch.zeros_like(per_token))
+        capped = torch.where(m, capped, torch.zeros_like(capped))
+    return per_token, capped.detach()
+
+
+def generalized_jsd(
+    student_logits: Tensor,  # [B, T, V] or [N, V]
+    teacher_logits: Tensor,  # [B, T, V] or [N, V]
+    mask: Tensor | None = None,  # [B, T] or [N], bool or 0/1 float; None = all tokens
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    clip: float | None = None,
+    clip_mode: str = "element",
+) -> Tensor:  # []
+    """Generalised JSD averaged over the masked tokens (0, attached to the graph, if none).
+
+    See `generalized_jsd_per_token` for the definition and arguments; this is TRL's
+    `generalized_jsd_loss` with the mean taken over masked tokens only.
+    """
+    per_token, _ = generalized_jsd_per_token(
+        student_logits,
+        teacher_logits,
+        mask,
+        beta=beta,
+        temperature=temperature,
+        clip=clip,
+        clip_mode=clip_mode,
+    )
+    count = max(per_token.numel(), 1) if mask is None else as_bool_mask(mask).sum().clamp(min=1)
+    return per_token.sum() / count

@@ -1,0 +1,96 @@
+"""Per-token log-probs and entropies from full logits (the reference for `chunked.py`).
+
+Alignment follows the `RolloutBatch` contract: column t describes token t given tokens < t, so
+it comes from the logits at position t - 1; column 0 has no predictor and is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._checks import as_bool_mask, check_ndim, check_range, check_same_shape, shape_str
+
+
+def upcast(x: Tensor) -> Tensor:
+    """float16/bfloat16 to float32 (softmax statistics in half precision are too coarse)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def check_logits_and_ids(logits: Tensor, input_ids: Tensor, logits_name: str = "logits") -> None:
+    """Require `[B, T, *]` logits (or hidden states) and `[B, T]` token ids."""
+    check_ndim(logits_name, logits, (3,))
+    check_ndim("input_ids", input_ids, (2,))
+    if logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"{logits_name} {shape_str(logits)} and input_ids {shape_str(input_ids)} must agree "
+            "on [B, T]"
+        )
+
+
+def logprobs_from_logits(
+    logits: Tensor,  # [B, T, V]
+    input_ids: Tensor,  # [B, T] long
+    temperature: float = 1.0,
+) -> Tensor:  # [B, T]
+    """Log-prob of each token under the (temperature-scaled) distribution that predicts it.
+
+    `out[b, t] = log_softmax(logits[b, t - 1] / temperature)[input_ids[b, t]]`, `out[:, 0] = 0`.
+    The temperature is the sampling temperature, so these are the sampling distribution's
+    log-probs, as vLLM reports them with processed log-probs (and as TRL/verl compute them).
+
+    Args:
+        logits: Model logits at every position.
+        input_ids: The token sequence the logits were computed on.
+        temperature: Sampling temperature, > 0.
+
+    Returns:
+        Per-token log-probs (float32 for half-precision logits).
+    """
+    check_range("temperature", temperature, 0.0)
+    check_logits_and_ids(logits, input_ids)
+    x = upcast(logits[:, :-1]) / temperature  # [B, T-1, V]
+    # x[id] - logsumexp(x) avoids materialising a second [B, T, V] log_softmax tensor.
+    lp = x.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
+    return F.pad(lp, (1, 0))
+
+
+def entropy_from_logits(
+    logits: Tensor,  # [B, T, V]
+    temperature: float = 1.0,
+) -> Tensor:  # [B, T]
+    """Entropy of the distribution that predicts each token, aligned like the log-probs.
+
+    `out[b, t] = H(softmax(logits[b, t - 1] / temperature))`, `out[:, 0] = 0`.
+
+    Args:
+        logits: Model logits at every position.
+        temperature: Sampling temperature, > 0.
+
+    Returns:
+        Per-token entropies in nats.
+    """
+    check_range("temperature", temperature, 0.0)
+    check_ndim("logits", logits, (3,))
+    lp = torch.log_softmax(upcast(logits[:, :-1]) / temperature, dim=-1)  # [B, T-1, V]
+    return F.pad(-(lp.exp() * lp).sum(dim=-1), (1, 0))
+
+
+def sequence_logprobs(
+    logprobs: Tensor,  # [N, T]
+    response_mask: Tensor,  # [N, T] bool or 0/1 float
+) -> Tensor:  # [N]
+    """Sum of the per-token log-probs over each sequence's masked (response) tokens.
+
+    Args:
+        logprobs: Per-token log-probs.
+        response_mask: Tokens to sum; others (even NaN) reach neither value nor gradient.
+
+    Returns:
+        Sequence log-probs.
+    """
+    check_ndim("logprobs", logprobs, (2,))
+    check_same_shape(("logprobs", logprobs), ("response_mask", response_mask))
+    m = as_bool_mask(response_mask)
+    return torch.where(m, logprobs, torch.zeros_like(logprobs)).sum(dim=-1)

@@ -1,0 +1,1 @@
+"""An example plugin package with one composer_lightning head."""

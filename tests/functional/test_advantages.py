@@ -1,0 +1,101 @@
+"""Dr. GRPO and OPD advantages against per-sample loop references (float64)."""
+
+import math
+
+import pytest
+import torch
+
+from composer_lightning.functional import dr_grpo_advantages, opd_advantages
+
+
+def ref_dr_grpo(rewards, group_ids, has_reward):
+    """Loop reference: per sample, scan the batch for rewarded members of its group."""
+    out = []
+    for r, g, h in zip(rewards, group_ids, has_reward, strict=True):
+        if not h:
+            out.append(0.0)
+            continue
+        members = [rewards[j] for j in range(len(rewards)) if group_ids[j] == g and has_reward[j]]
+        baseline = sum(members) / len(members) if len(members) > 1 else 0.0
+        out.append(r - baseline)
+    return out
+
+
+def test_matches_loop_reference_with_arbitrary_group_ids():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([1000, -5, 1000, 7, -5, 7, 7, 1000, 42, -5, 99, 99], dtype=torch.long)
+    rewards = torch.rand(12, generator=g, dtype=torch.float64)
+    has = torch.rand(12, generator=g) > 0.3
+    has[10], has[11] = True, False  # group 99: one rewarded, one not -> baseline 0
+    got = dr_grpo_advantages(rewards, ids, has)
+    want = ref_dr_grpo(rewards.tolist(), ids.tolist(), has.tolist())
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_group_sums_to_zero_and_unrewarded_exactly_zero():
+    ids = torch.tensor([3, 3, 3, 3, 8, 8, 8])
+    rewards = torch.tensor([1.0, 0.0, math.nan, 0.5, 2.0, math.inf, -1.0], dtype=torch.float64)
+    has = torch.tensor([1, 1, 0, 1, 1, 0, 1], dtype=torch.float64)  # 0/1 float mask
+    adv = dr_grpo_advantages(rewards, ids, has)
+    assert torch.isfinite(adv).all()
+    assert adv[2].item() == 0.0 and adv[5].item() == 0.0
+    for gid in (3, 8):
+        sel = (ids == gid) & (has != 0)
+        assert abs(adv[sel].sum().item()) < 1e-12
+    # group 3 rewarded mean = 0.5 -> [0.5, -0.5, 0, 0]
+    torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64))
+
+
+def test_singleton_group_is_plain_reward_and_none_means_all():
+    rewards = torch.tensor([0.3, -0.7, 1.0], dtype=torch.float64)
+    ids = torch.tensor([0, 1, 2])
+    torch.testing.assert_close(dr_grpo_advantages(rewards, ids), rewards, rtol=0, atol=0)
+    ids = torch.tensor([5, 5, 9])
+    all_true = torch.ones(3, dtype=torch.bool)
+    assert torch.equal(dr_grpo_advantages(rewards, ids), dr_grpo_advantages(rewards, ids, all_true))
+
+
+def test_no_std_division():
+    """Group [0, 1, 1, 1]: mean 0.75, so A = [-0.75, .25, .25, .25] (GRPO would divide by .433)."""
+    adv = dr_grpo_advantages(
+        torch.tensor([0.0, 1, 1, 1], dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    )
+    torch.testing.assert_close(adv, torch.tensor([-0.75, 0.25, 0.25, 0.25], dtype=torch.float64))
+
+
+def test_empty_batch():
+    out = dr_grpo_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    assert out.shape == (0,)
+
+
+def test_dr_grpo_errors():
+    with pytest.raises(ValueError, match=r"rewards \[3\] and group_ids \[2\]"):
+        dr_grpo_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"has_reward \[4\]"):
+        dr_grpo_advantages(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(4))
+    with pytest.raises(ValueError, match="float32"):
+        dr_grpo_advantages(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"\[3, 1\]"):
+        dr_grpo_advantages(torch.zeros(3, 1), torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_opd_on_and_off_mask():
+    teacher = torch.tensor([[-1.0, -2.0, math.nan], [-0.5, math.inf, -3.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.5, -1.0, -1.0], [-0.25, -1.0, -math.inf]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    teacher.requires_grad_(True)
+    adv = opd_advantages(teacher, old, mask)
+    want = [[0.5, -1.0, 0.0], [-0.25, 0.0, 0.0]]
+    assert adv.tolist() == want  # exact: off-mask is 0, not NaN * 0
+    adv.sum().backward()
+    assert teacher.grad.tolist() == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert torch.equal(opd_advantages(teacher.detach(), old, mask.double()), adv.detach())
+
+
+def test_opd_shape_error():
+    with pytest.raises(
+        ValueError,
+        match=r"teacher_logprobs \[2, 5\] and response_mask \[2, 4\] must have the same shape",
+    ):
+        opd_advantages(torch.zeros(2, 5), torch.zeros(2, 5), torch.ones(2, 4))

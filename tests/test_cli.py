@@ -1,0 +1,112 @@
+"""The command line, plugins by entry point, configs, and checkpoint resume."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
+from composer_lightning.heads.dr_grpo import DrGRPOHead
+from composer_lightning.heads.replay_dpo import ReplayDPOHead
+from composer_lightning.module import ComposerModule
+from tests.helpers import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILTINS = ["dr_grpo", "kl", "opd", "replay_dpo", "sdpo"]
+
+
+def run_cli(*args: str, pythonpath: str | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "composer_lightning", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_heads_lists_every_builtin():
+    out = run_cli("heads")
+    assert out.returncode == 0, out.stderr
+    for name in BUILTINS:
+        assert f"{name} " in out.stdout and f"composer_lightning.heads.{name}." in out.stdout
+
+
+def test_broken_plugin_is_reported_by_name_without_hiding_the_others(tmp_path):
+    dist = tmp_path / "broken_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[composer_lightning.heads]\nbroken = no_such_module_xyz:Nope\n")
+    out = run_cli("heads", pythonpath=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "broken" in out.stdout and "FAILED TO IMPORT" in out.stdout
+    assert "no_such_module_xyz" in out.stdout
+    for name in BUILTINS:
+        assert f"composer_lightning.heads.{name}." in out.stdout
+
+
+def test_plugin_package_installs_and_trains_one_step(tmp_path):
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                          "--no-build-isolation", "--target", str(target),
+                          str(ROOT / "examples" / "custom_head")], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr
+    listed = run_cli("heads", pythonpath=str(target))
+    assert "length_penalty" in listed.stdout and "my_heads.length_penalty.LengthPenaltyHead" in listed.stdout
+    fit = run_cli("fit", "--config", "examples/custom_head/config.yaml", pythonpath=str(target))
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    assert "fast_dev_run" in fit.stderr + fit.stdout
+
+
+def test_unknown_head_class_is_a_clear_error(tmp_path):
+    cfg = (ROOT / "examples" / "custom_head" / "config.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.replace("my_heads.length_penalty.LengthPenaltyHead", "composer_lightning.heads.nope.NopeHead"))
+    out = run_cli("fit", "--config", str(bad))
+    assert out.returncode != 0
+    assert "composer_lightning.heads.nope.NopeHead" in out.stderr
+
+
+@pytest.mark.parametrize("config", sorted(glob.glob(str(ROOT / "configs" / "*.yaml"))),
+                         ids=lambda p: Path(p).name)
+def test_every_config_parses(config):
+    out = run_cli("fit", "--config", config, "--print_config")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "class_path: composer_lightning" in out.stdout
+
+
+def test_synthetic_demo_config_trains(tmp_path):
+    out = run_cli("fit", "--config", str(ROOT / "configs" / "synthetic_demo.yaml"),
+                  "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}",
+                  f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert glob.glob(str(tmp_path / "synthetic_demo" / "*" / "events.*"))
+
+
+def _module() -> ComposerModule:
+    return ComposerModule(tiny_model(torch.float32), [DrGRPOHead(), ReplayDPOHead(capacity=100)],
+                          max_logprob_gap=None)
+
+
+def test_resume_restores_weights_optimizer_head_state_and_version(tmp_path):
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    first = _module()
+    L.Trainer(max_steps=3, callbacks=[ckpt], **kw).fit(first, SyntheticRolloutDataModule(vocab_size=64))
+    path = sorted(glob.glob(str(tmp_path / "*step=3*.ckpt")))[0]
+    resumed = _module()
+    trainer = L.Trainer(max_steps=3, **kw)
+    trainer.fit(resumed, SyntheticRolloutDataModule(vocab_size=64), ckpt_path=path)
+    assert resumed.policy_version == first.policy_version == 3
+    a, b = first.heads[1], resumed.heads[1]
+    assert len(a.buffer) == len(b.buffer) > 0
+    assert all(torch.equal(x["chosen"], y["chosen"]) for x, y in zip(a.buffer, b.buffer, strict=True))
+    assert torch.equal(a.generator.get_state(), b.generator.get_state())
+    for (n, p), (_, q) in zip(first.policy.named_parameters(), resumed.policy.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert trainer.optimizers[0].state_dict()["state"].keys() == first.trainer.optimizers[0].state_dict()["state"].keys()
