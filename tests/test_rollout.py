@@ -1,0 +1,151 @@
+"""The rollout side with a real engine (HF `generate`): datamodule, callback, dispatch, canary."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.datamodules.rollout import RolloutDataModule
+from composer_lightning.engines import HFEngine, SamplingConfig
+from composer_lightning.heads.dr_grpo import DrGRPOHead
+from composer_lightning.heads.opd import OPDHead
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.module import ComposerModule, OutOfSyncError
+from composer_lightning.tasks import FunctionScore, ScoringError, VerifierHint
+
+POLICY = tiny_policy_path()
+
+
+def _fit(callbacks, steps=3, heads=None, lr=1e-3, **dm_kw):
+    module = ComposerModule(POLICY, heads or [DrGRPOHead(), OPDHead()],
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
+    dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4, **dm_kw)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, dm)
+    return module, dm, trainer
+
+
+class Watch(L.Callback):
+    """Records, at each step, whether the engine's weights equal the policy's."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        same = all(torch.equal(p, self.engine._params[n]) for n, p in module.policy.named_parameters())
+        self.seen.append((batch_idx, batch["rollout"].policy_version, module.policy_version, same))
+
+
+def _callback(**kw):
+    engine = HFEngine(model_path=POLICY, seed=0)
+    kw.setdefault("hint", VerifierHint())
+    return RolloutCallback(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), **kw)
+
+
+def test_step_k_trains_on_rollouts_of_the_weights_after_update_k_minus_1():
+    cb = _callback()
+    watch = Watch(cb.engine)
+    module, dm, trainer = _fit([cb, watch], steps=4, lr=1e-2)
+    assert [s[:3] for s in watch.seen] == [(k, k, k) for k in range(4)]
+    assert all(s[3] for s in watch.seen)  # engine weights == policy weights when generating
+    assert cb.engine.weight_version == module.policy_version == 4
+    assert float(trainer.callback_metrics["rollout/logprob_gap_mean"]) < 1e-5
+    assert dm.consumed == 4
+    for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean",
+                "rollout/response_length_max", "rollout/truncation_rate", "rollout/gen_time",
+                "rollout/push_time", "rollout/tokens_per_s", "dispatch/opd_rl", "dispatch/rl_only",
+                "dispatch/opd_only", "dispatch/dropped"):
+        assert key in trainer.callback_metrics, key
+
+
+class NoPush(RolloutCallback):
+    """An engine that never receives weights after the first sync (a broken push)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.engine._version = pl_module.policy_version  # claims the version, keeps old weights
+
+
+def test_a_stale_engine_trips_the_canary():
+    engine = HFEngine(model_path=POLICY, seed=0)
+    cb = NoPush(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), hint=VerifierHint())
+    with pytest.raises(OutOfSyncError, match="engine is out of sync"):
+        _fit([cb], steps=6, lr=0.05)
+
+
+def test_a_raising_reward_function_drops_and_counts_the_sample():
+    calls = {"n": 0}
+
+    def flaky(problem, completion):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("reward function failed")
+        return 1.0
+
+    cb = _callback(score=FunctionScore(flaky), hint=None)
+    _, _, trainer = _fit([cb], steps=1)
+    assert float(trainer.callback_metrics["dispatch/dropped"]) == 4  # half of 4 prompts x G = 2
+    assert float(trainer.callback_metrics["rollout/score_failures"]) == 4
+
+
+def test_all_scores_failing_is_a_clear_error():
+    def broken(problem, completion):
+        raise RuntimeError("boom")
+
+    with pytest.raises(ScoringError, match="all 8 score calls of the batch raised"):
+        _fit([_callback(score=FunctionScore(broken), hint=None)], steps=1)
+
+
+def test_temperature_mismatch_is_refused():
+    engine = HFEngine(model_path=POLICY)
+    cb = RolloutCallback(engine, sampling=SamplingConfig(temperature=0.7))
+    with pytest.raises(ValueError, match="temperature"):
+        _fit([cb], steps=1)
+
+
+def test_prompt_file_errors_name_file_and_line(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text(json.dumps({"prompt": "1+2=", "answer": 3}) + "\n" + "{not json\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not valid JSON"):
+        RolloutDataModule(tokenizer=POLICY, prompt_file=str(good))
+    bad = tmp_path / "q.jsonl"
+    bad.write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"q.jsonl:1: needs 'prompt'"):
+        RolloutDataModule(tokenizer=POLICY, prompt_file=str(bad))
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        RolloutDataModule(tokenizer=POLICY, prompt_file=str(empty))
+
+
+def test_unknown_task_lists_the_known_ones():
+    with pytest.raises(ValueError, match="arithmetic"):
+        RolloutDataModule(tokenizer=POLICY, task="chess")
+
+
+def test_prompt_stream_is_sharded_deterministic_and_resumable(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(10)))
+    dm = RolloutDataModule(tokenizer=POLICY, prompt_file=str(f), task="arithmetic", prompts_per_step=3)
+
+    class FakeTrainer:
+        def __init__(self, rank):
+            self.global_rank, self.world_size = rank, 2
+
+    seen = []
+    for rank in (0, 1):
+        dm.trainer = FakeTrainer(rank)
+        seen.append([p["prompt"] for i in range(3) for p in dm.problems(i)])
+    assert not set(seen[0][:3]) & set(seen[1][:3])  # ranks see different prompts
+    dm.trainer = FakeTrainer(0)
+    assert [p["prompt"] for p in dm.problems(1)] == seen[0][3:6]  # random access = resumable
+    batch = dm.prompt_batch(0)
+    assert batch["problems"][0]["task"] == "arithmetic" and all(batch["prompt_ids"])
+    dm.consumed = 7
+    other = RolloutDataModule(tokenizer=POLICY, prompt_file=str(f), prompts_per_step=3)
+    other.load_state_dict(dm.state_dict())
+    assert other.consumed == 7
