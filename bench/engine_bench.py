@@ -1,0 +1,174 @@
+"""Rollout throughput and weight-push latency: VLLMEngine vs HFEngine, side by side.
+
+    python bench/engine_bench.py [--quick] [--repeats 3] [--threads 1]
+
+Same random Llama checkpoints, same batch (8 prompts x n=4 x 32 tokens, temperature 1, no stop
+tokens, so every completion has exactly max_tokens tokens) for both engines. Throughput is
+generated tokens / wall second of `generate`; push latency is `load_weights(iter_hf_weights(
+policy))` (vLLM: including the prefix-cache reset) against one plain `copy_` of every weight
+into a same-shaped module. Medians of `--repeats` runs after one warm-up. vLLM runs in a
+subprocess of this script (an in-process vLLM engine changes its host process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights  # noqa: E402
+from composer_lightning.models.random import build_random_llama, load_policy  # noqa: E402
+
+MODELS = {
+    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
+    "20M": dict(vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, intermediate_size=768),
+}
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _prompts(num: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(2, vocab, (num, length), generator=gen).tolist()
+
+
+def measure(engine, policy, prompts, n, max_tokens, repeats) -> dict:
+    sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens)
+    tokens = len(prompts) * n * max_tokens
+    gen_s = _median_time(lambda: engine.generate(prompts, n, sampling), repeats)
+    push_s = _median_time(lambda: engine.load_weights(iter_hf_weights(policy), 1), repeats)
+    return {"tok_per_s": tokens / gen_s, "push_ms": 1e3 * push_s}
+
+
+def plain_copy_ms(policy, repeats: int) -> float:
+    target = [p.detach().clone() for p in policy.parameters()]
+    source = [p.detach() for p in policy.parameters()]
+
+    def copy_all():
+        with torch.no_grad():
+            for dst, src in zip(target, source, strict=True):
+                dst.copy_(src)
+
+    return 1e3 * _median_time(copy_all, repeats)
+
+
+def vllm_worker(model_dir: str, args: argparse.Namespace) -> dict:
+    from composer_lightning.engines import VLLMEngine
+
+    policy = load_policy(model_dir)
+    engine = VLLMEngine(model_dir, dtype="float32")
+    prompts = _prompts(args.prompts, args.prompt_len, policy.config.vocab_size)
+    return measure(engine, policy, prompts, args.n, args.max_tokens, args.repeats)
+
+
+def run_vllm(model_dir: str, args: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--vllm-worker", model_dir, out.name, *_shared_args(args)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM bench subprocess failed:\n{proc.stderr[-4000:]}")
+        return json.loads(Path(out.name).read_text())
+
+
+def _shared_args(args: argparse.Namespace) -> list[str]:
+    return [
+        f"--repeats={args.repeats}",
+        f"--threads={args.threads}",
+        f"--prompts={args.prompts}",
+        f"--prompt-len={args.prompt_len}",
+        f"--n={args.n}",
+        f"--max-tokens={args.max_tokens}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model only, 16 tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--vllm-worker", nargs=2, metavar=("MODEL_DIR", "OUT_JSON"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.vllm_worker:
+        result = vllm_worker(args.vllm_worker[0], args)
+        Path(args.vllm_worker[1]).write_text(json.dumps(result))
+        sys.stdout.flush()
+        os._exit(0)  # skip vLLM's slow interpreter teardown
+    if args.quick:
+        args.max_tokens = 16
+    has_vllm = __import__("importlib").util.find_spec("vllm") is not None
+    names = ["tiny"] if args.quick else list(MODELS)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            model_dir = build_random_llama(Path(tmp) / name, **MODELS[name])
+            policy = load_policy(model_dir)
+            params = sum(p.numel() for p in policy.parameters())
+            prompts = _prompts(args.prompts, args.prompt_len, policy.config.vocab_size)
+            hf = measure(
+                HFEngine(model=policy), policy, prompts, args.n, args.max_tokens, args.repeats
+            )
+            copy_ms = plain_copy_ms(policy, args.repeats)
+            vl = run_vllm(model_dir, args) if has_vllm else None
+            rows.append((name, params, hf, vl, copy_ms))
+    batch = f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens"
+    print(f"batch: {batch}, temperature 1, {args.threads} thread(s), median of {args.repeats}")
+    head = (
+        "model",
+        "params",
+        "HF tok/s",
+        "vLLM tok/s",
+        "vLLM/HF",
+        "copy_ ms",
+        "HF push ms",
+        "vLLM push ms",
+        "vLLM push/copy_",
+    )
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for name, params, hf, vl, copy_ms in rows:
+        v_tok = f"{vl['tok_per_s']:.0f}" if vl else "n/a"
+        ratio = f"{vl['tok_per_s'] / hf['tok_per_s']:.1f}x" if vl else "n/a"
+        v_push = f"{vl['push_ms']:.2f}" if vl else "n/a"
+        push_ratio = f"{vl['push_ms'] / copy_ms:.1f}x" if vl else "n/a"
+        cells = (
+            name,
+            f"{params / 1e6:.2f}M",
+            f"{hf['tok_per_s']:.0f}",
+            v_tok,
+            ratio,
+            f"{copy_ms:.2f}",
+            f"{hf['push_ms']:.2f}",
+            v_push,
+            push_ratio,
+        )
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

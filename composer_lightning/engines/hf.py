@@ -1,0 +1,139 @@
+"""A rollout engine on transformers' `generate`: slow, dependency-free, exact in fp32.
+
+It owns its own copy of the policy, so a weight push is a real copy and a stale engine is
+possible (which the canary must catch). All prompts of a call are generated in one left-padded
+batch; the trainer's global RNG is never touched (sampling runs under `fork_rng`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from composer_lightning.engines.base import Completion, SamplingConfig, check_prompts
+from composer_lightning.engines.weights import hf_name
+
+
+class HFEngine:
+    """Sample with `transformers` `generate` on a private copy of the policy.
+
+    Args:
+        model_path: a saved HF causal LM (used when `model` is None).
+        model: a module to copy (deep copy; not an FSDP-sharded one).
+        dtype: the engine copy's dtype ("float32", "bfloat16", ...).
+        device: where the engine copy lives.
+        seed: seeds the engine's own generator, used when `SamplingConfig.seed` is None.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        model: nn.Module | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        if (model_path is None) == (model is None):
+            raise ValueError("pass exactly one of model_path or model")
+        torch_dtype = getattr(torch, dtype)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        else:
+            model = copy.deepcopy(model)
+        self.model = model.to(device=device, dtype=torch_dtype).eval().requires_grad_(False)
+        # A clean generation config: the checkpoint's defaults (eos, top_k=50, penalties)
+        # would otherwise leak into sampling.
+        self.model.generation_config = GenerationConfig()
+        self.device = torch.device(device)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._rng = torch.Generator().manual_seed(seed)
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def reset_cache(self) -> None:
+        """No-op: `generate` keeps no KV cache between calls."""
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        for name, tensor in weights:
+            key = hf_name(name)
+            if key not in self._params:
+                raise KeyError(f"HFEngine.load_weights: unknown parameter {name!r}")
+            self._params[key].copy_(tensor)
+        self._version = int(version)
+        self.reset_cache()
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        check_prompts(prompts, n)
+        if not prompts:
+            return []
+        seed = sampling.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(seed)
+            return self._generate(prompts, n, sampling)
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        stops = sampling.stop_token_ids
+        pad_id = stops[0] if stops else 0
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p) :] = 1
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k_or_none or 0,  # 0 disables HF's top-k warper
+            max_new_tokens=sampling.max_tokens,
+            min_new_tokens=0,
+            num_return_sequences=n,
+            eos_token_id=list(stops) or None,
+            pad_token_id=pad_id,
+            return_dict_in_generate=True,
+            output_scores=True,  # processed scores: what was sampled from
+        )
+        generated: Tensor = out.sequences[:, width:].cpu()  # [P x n, L]
+        scores = torch.stack(out.scores, dim=1).float()  # [P x n, L, V]
+        # Filtered (top-k/top-p) entries are -inf; sampled tokens are always finite.
+        logprobs = scores.log_softmax(-1).gather(-1, generated.to(scores.device)[..., None])
+        logprobs = logprobs[..., 0].cpu()  # [P x n, L]
+        stop_set = set(stops)
+        results: list[list[Completion]] = []
+        for i in range(len(prompts)):
+            row_completions = []
+            for j in range(n):
+                tokens = generated[i * n + j].tolist()
+                end, reason = len(tokens), "length"
+                for t, tok in enumerate(tokens):
+                    if tok in stop_set:
+                        end, reason = t + 1, "stop"
+                        break
+                row_completions.append(
+                    Completion(
+                        token_ids=tokens[:end],
+                        logprobs=logprobs[i * n + j, :end].tolist(),
+                        finish_reason=reason,
+                    )
+                )
+            results.append(row_completions)
+        return results

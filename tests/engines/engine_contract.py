@@ -1,0 +1,197 @@
+"""The rollout-engine contract, as checks shared by every engine.
+
+Each `check_*` takes a live engine and the trainer's policy (the fp32 HF model the engine was
+built from) and raises AssertionError on a breach; it returns measured numbers for the report.
+HF runs them in the pytest process; vLLM runs them all in one subprocess
+(`_vllm_contract.py`), since an in-process vLLM engine mutates its host process.
+Checks leave the engine with the policy's weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+
+import numpy as np
+import torch
+
+from composer_lightning.engines import RolloutEngine, SamplingConfig, iter_hf_weights
+
+# Lengths 3, 20 and 150: the last spans several KV blocks, so a stale prefix cache would show.
+PROMPTS = [
+    [2, 3, 4],
+    [(7 * i + 5) % 500 + 2 for i in range(20)],
+    [(13 * i + 1) % 500 + 2 for i in range(150)],
+]
+TEMPERATURE = 0.7
+EXACT = 1e-5  # fp32 engine vs trainer, same weights
+CANARY = 1e-2  # engine vs trainer, different weights
+
+
+@torch.no_grad()
+def trainer_logprobs(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> list[float]:
+    """log_softmax(logits[t-1] / T)[token t] over the completion tokens, by a plain forward."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0].float()  # [T, V]
+    start = len(prompt) - 1
+    steps = logits[start : start + len(completion)] / temperature  # [L, V]
+    return steps.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def logprob_gaps(model, prompts, results, temperature) -> list[float]:
+    """|engine − trainer| per sampled token, over all completions."""
+    gaps = []
+    for prompt, completions in zip(prompts, results, strict=True):
+        for c in completions:
+            ref = trainer_logprobs(model, prompt, c.token_ids, temperature)
+            gaps += [abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)]
+    return gaps
+
+
+def check_shapes(engine, policy) -> dict:
+    assert isinstance(engine, RolloutEngine)
+    stops = list(range(32))  # 1/16 of the vocabulary: some completions stop, some run out
+    sampling = SamplingConfig(max_tokens=12, stop_token_ids=stops, seed=3)
+    result = engine.generate(PROMPTS, 4, sampling)
+    assert len(result) == len(PROMPTS)
+    reasons = []
+    for completions in result:
+        assert len(completions) == 4
+        for c in completions:
+            assert 1 <= len(c.token_ids) <= sampling.max_tokens
+            assert len(c.logprobs) == len(c.token_ids)
+            assert all(isinstance(t, int) for t in c.token_ids)
+            assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
+            assert not any(t in stops for t in c.token_ids[:-1]), "generated past a stop token"
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] in stops
+            else:
+                assert c.finish_reason == "length", c.finish_reason
+                assert len(c.token_ids) == sampling.max_tokens and c.token_ids[-1] not in stops
+            reasons.append(c.finish_reason)
+    assert {"stop", "length"} <= set(reasons), reasons
+    # top-k / top-p: processed log-probs of sampled tokens stay finite
+    truncated = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, max_tokens=6, seed=4)
+    for completions in engine.generate(PROMPTS[:2], 2, truncated):
+        for c in completions:
+            assert len(c.token_ids) == 6 and all(math.isfinite(lp) for lp in c.logprobs)
+    assert engine.generate([], 2, sampling) == []
+    return {"finish_reasons": {r: reasons.count(r) for r in set(reasons)}}
+
+
+def check_trainer_agreement(engine, policy) -> dict:
+    sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=16, seed=11)
+    gaps = logprob_gaps(policy, PROMPTS, engine.generate(PROMPTS, 2, sampling), TEMPERATURE)
+    assert max(gaps) <= EXACT, f"engine vs trainer max gap {max(gaps):.3g} > {EXACT}"
+    return {"max_gap": max(gaps), "mean_gap": sum(gaps) / len(gaps)}
+
+
+def check_push(engine, policy) -> dict:
+    """Push perturbed weights (the canary sees them), then the originals (agreement returns)."""
+    sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=16, seed=11)
+    before = engine.generate(PROMPTS, 2, sampling)
+    perturbed = copy.deepcopy(policy)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    start_version = engine.weight_version
+    engine.load_weights(iter_hf_weights(perturbed), version=start_version + 1)
+    assert engine.weight_version == start_version + 1
+    stale = engine.generate(PROMPTS, 2, sampling)
+    canary = logprob_gaps(policy, PROMPTS, stale, TEMPERATURE)
+    exact = logprob_gaps(perturbed, PROMPTS, stale, TEMPERATURE)
+    canary_mean = sum(canary) / len(canary)
+    assert canary_mean > CANARY, f"pushed weights not used: canary gap {canary_mean:.3g}"
+    assert max(exact) <= EXACT, f"push inexact: gap to pushed weights {max(exact):.3g}"
+
+    engine.load_weights(iter_hf_weights(policy), version=start_version + 2)
+    after = engine.generate(PROMPTS, 2, sampling)
+    back = logprob_gaps(policy, PROMPTS, after, TEMPERATURE)
+    assert max(back) <= EXACT, f"after pushing the originals back, gap {max(back):.3g}"
+    same = [c.token_ids for r in after for c in r] == [c.token_ids for r in before for c in r]
+    assert same, "same seed and same weights gave different samples"
+    return {
+        "canary_gap_mean": canary_mean,
+        "pushed_gap_max": max(exact),
+        "restored_gap_max": max(back),
+    }
+
+
+def check_determinism(engine, policy) -> dict:
+    def sample(seed):
+        sampling = SamplingConfig(temperature=1.0, max_tokens=10, seed=seed)
+        return [(c.token_ids, c.logprobs) for r in engine.generate(PROMPTS, 2, sampling) for c in r]
+
+    assert sample(5) == sample(5), "same seed, different samples"
+    assert sample(5) != sample(6), "different seeds, same samples"
+    assert sample(None) != sample(None), "unseeded calls repeat themselves"
+    # identical prompts in one call still get distinct samples
+    twins = engine.generate([PROMPTS[0], PROMPTS[0]], 1, SamplingConfig(max_tokens=10, seed=1))
+    assert twins[0][0].token_ids != twins[1][0].token_ids
+    return {}
+
+
+def check_bad_requests(engine, policy) -> dict:
+    for prompts, n in ([PROMPTS[0]], 0), ([[]], 1):
+        try:
+            engine.generate(prompts, n, SamplingConfig())
+        except ValueError:
+            continue
+        raise AssertionError(f"no ValueError for prompts={prompts} n={n}")
+    return {}
+
+
+CHECKS = {
+    "shapes": check_shapes,
+    "trainer_agreement": check_trainer_agreement,
+    "push": check_push,
+    "determinism": check_determinism,
+    "bad_requests": check_bad_requests,
+}
+
+
+def host_snapshot() -> dict:
+    """Process state a well-behaved engine must leave alone."""
+    return {
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state()[1].copy(),
+        "python_rng": random.getstate(),
+        "num_threads": torch.get_num_threads(),
+        "set_num_threads": torch.set_num_threads,
+        "environ": dict(os.environ),
+    }
+
+
+def host_changes(before: dict) -> dict:
+    """What differs from `before`, and whether `torch.set_num_threads` still works."""
+    after = host_snapshot()
+    changes = {}
+    if not torch.equal(before["torch_rng"], after["torch_rng"]):
+        changes["torch_rng"] = "changed"
+    if not np.array_equal(before["numpy_rng"], after["numpy_rng"]):
+        changes["numpy_rng"] = "changed"
+    if before["python_rng"] != after["python_rng"]:
+        changes["python_rng"] = "changed"
+    if before["num_threads"] != after["num_threads"]:
+        changes["num_threads"] = [before["num_threads"], after["num_threads"]]
+    if before["set_num_threads"] is not after["set_num_threads"]:
+        changes["set_num_threads"] = "replaced"
+    env_keys = set(before["environ"]) | set(after["environ"])
+    env = {
+        k: after["environ"].get(k)
+        for k in env_keys
+        if before["environ"].get(k) != after["environ"].get(k)
+    }
+    if env:
+        changes["environ"] = env
+    n = torch.get_num_threads()
+    torch.set_num_threads(n + 1)
+    if torch.get_num_threads() != n + 1:
+        changes["set_num_threads_works"] = False
+    torch.set_num_threads(n)
+    return changes
