@@ -21,10 +21,11 @@ POLICY = tiny_policy_path()
 
 
 def _fit(callbacks, steps=3, heads=None, lr=1e-3, **dm_kw):
+    ckpt = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
     module = ComposerModule(POLICY, heads or [DrGRPOHead(), OPDHead()],
                             optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
     dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4, **dm_kw)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=ckpt,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(module, dm)
     return module, dm, trainer
@@ -149,3 +150,20 @@ def test_prompt_stream_is_sharded_deterministic_and_resumable(tmp_path):
     other = RolloutDataModule(tokenizer=POLICY, prompt_file=str(f), prompts_per_step=3)
     other.load_state_dict(dm.state_dict())
     assert other.consumed == 7
+
+
+def test_resume_resyncs_the_engine_and_continues_the_prompt_stream(tmp_path):
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    first, dm, _ = _fit([_callback(), ckpt], steps=2, lr=0.05)
+    path = sorted(tmp_path.glob("*step=2*.ckpt"))[0]
+    cb = _callback()  # a fresh engine holds the ORIGINAL weights
+    module = ComposerModule(POLICY, [DrGRPOHead(), OPDHead()],
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=0.05))
+    dm2 = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4)
+    watch = Watch(cb.engine)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, watch])
+    trainer.fit(module, dm2, ckpt_path=str(path))
+    assert watch.seen == [(2, 2, 2, True)]  # synced to the restored weights before generating
+    assert dm2.consumed == 3  # the stream continued after the 2 consumed batches
+    assert float(trainer.callback_metrics["rollout/logprob_gap_max"]) < 1e-5
