@@ -1,0 +1,42 @@
+"""Tasks (problems + verifiers) and the score / hint providers of the rollout side."""
+
+from composer_lightning.tasks.arithmetic import Arithmetic
+from composer_lightning.tasks.base import (
+    FunctionScore,
+    HintProvider,
+    Problem,
+    ScoreProvider,
+    ScoringError,
+    Task,
+    Verdict,
+    VerifierHint,
+    VerifierScore,
+)
+from composer_lightning.tasks.registry import BUILTIN_TASKS, get_task
+from composer_lightning.tasks.reverse import ReverseDigits
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "Arithmetic",
+    "FunctionScore",
+    "HintProvider",
+    "LLMJudgeHint",
+    "LLMJudgeScore",
+    "Problem",
+    "ReverseDigits",
+    "ScoreProvider",
+    "ScoringError",
+    "Task",
+    "Verdict",
+    "VerifierHint",
+    "VerifierScore",
+    "get_task",
+]
+
+
+def __getattr__(name: str):  # the judge imports the engine contract; keep it lazy
+    if name in ("LLMJudgeScore", "LLMJudgeHint"):
+        from composer_lightning.tasks import judge
+
+        return getattr(judge, name)
+    raise AttributeError(name)

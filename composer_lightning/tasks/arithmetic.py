@@ -1,0 +1,118 @@
+"""Integer arithmetic with adjustable difficulty, verified exactly.
+
+The verifier reads the first integer of the completion (an optional minus sign and digits) and
+gives reward 1.0 when it equals the answer, 0.0 otherwise (no partial credit). A wrong answer
+gets a hint derived from the error: the number of digits of the answer and the rightmost digit
+the guess got wrong (digits right-aligned, where carries start), e.g. "The answer has 2 digits;
+the last digit is 7.". `verify` reads only the problem's fields, so any instance verifies any
+problem.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from composer_lightning.tasks.base import Problem, Task, Verdict
+
+_INT = re.compile(r"-?\d+")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def first_integer(text: str) -> int | None:
+    """The first integer in `text` (e.g. "-12" in "x = -12, y = 3"), or None."""
+    m = _INT.search(text)
+    return int(m.group()) if m else None
+
+
+def _digit_name(i: int, n: int) -> str:
+    """A readable name for digit `i` (0 = leftmost) of an `n`-digit number."""
+    if i == n - 1:
+        return "the last digit"
+    if i == 0:
+        return "the first digit"
+    return f"digit {i + 1} (from the left)"
+
+
+def number_hint(answer: int, guess: int | None) -> str:
+    """Error-derived hint for a wrong integer `guess` of `answer`.
+
+    States the sign (when negative), the digit count, and the value of the rightmost digit the
+    guess got wrong, digits right-aligned (the first digit when only the length or sign is
+    wrong; the last digit when nothing was guessed).
+    """
+    digits = str(abs(answer))
+    n = len(digits)
+    parts = ["The answer is negative"] if answer < 0 else []
+    parts.append(f"the answer has {n} digit{'s' if n > 1 else ''}")
+    idx = n - 1
+    if guess is not None:
+        g = str(abs(guess)).zfill(n)[-n:]  # right-aligned, as digits are added
+        wrong = [i for i in range(n) if g[i] != digits[i]]
+        idx = wrong[-1] if wrong else 0  # only the length (or sign) is wrong: the first digit
+    parts.append(f"{_digit_name(idx, n)} is {digits[idx]}")
+    text = "; ".join(parts) + "."
+    text = text[0].upper() + text[1:]
+    if guess is None:
+        text = "Reply with a number. " + text
+    return text
+
+
+class Arithmetic(Task):
+    """`a <op> b` for integers drawn uniformly from [min_value, max_value].
+
+    Args:
+        min_value: smallest operand.
+        max_value: largest operand (difficulty grows with it).
+        ops: operators to draw from, any of "+", "-", "*".
+        allow_negative: if False, "-" problems are ordered so the answer is ≥ 0.
+        template: the user message; `{a}`, `{op}`, `{b}` are filled in.
+    """
+
+    name = "arithmetic"
+
+    def __init__(
+        self,
+        min_value: int = 0,
+        max_value: int = 20,
+        ops: tuple[str, ...] | list[str] = ("+",),
+        allow_negative: bool = False,
+        template: str = "What is {a} {op} {b}?",
+    ) -> None:
+        if min_value > max_value:
+            raise ValueError(f"min_value {min_value} > max_value {max_value}")
+        unknown = [op for op in ops if op not in _OPS]
+        if unknown or not ops:
+            raise ValueError(f"ops must be a non-empty subset of {sorted(_OPS)}, got {list(ops)}")
+        self.min_value, self.max_value = min_value, max_value
+        self.ops = tuple(ops)
+        self.allow_negative = allow_negative
+        self.template = template
+
+    def make(self, a: int, op: str, b: int) -> Problem:
+        """The problem `a <op> b` (used by `sample` and by tests)."""
+        answer = _OPS[op](a, b)
+        content = self.template.format(a=a, op=op, b=b)
+        return {
+            "task": self.name,
+            "messages": [{"role": "user", "content": content}],
+            "a": a,
+            "op": op,
+            "b": b,
+            "answer": str(answer),
+        }
+
+    def sample(self, rng: random.Random) -> Problem:
+        a = rng.randint(self.min_value, self.max_value)
+        b = rng.randint(self.min_value, self.max_value)
+        op = rng.choice(self.ops)
+        if op == "-" and not self.allow_negative and b > a:
+            a, b = b, a
+        return self.make(a, op, b)
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        answer = int(problem["answer"])
+        guess = first_integer(completion)
+        if guess == answer:
+            return Verdict(1.0, None)
+        return Verdict(0.0, number_hint(answer, guess))

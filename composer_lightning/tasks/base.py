@@ -1,0 +1,203 @@
+"""Tasks, verdicts, and the score / hint provider contracts.
+
+A *problem* is a plain dict: at least `"messages"` (a chat, a list of `{"role", "content"}`)
+and `"task"` (the task's short name or dotted class path, so a verifier can be found again),
+plus task fields such as `"answer"`. A `Task` samples problems and verifies completions; the
+rollout side turns verdicts into scores (`ScoreProvider`) and hints (`HintProvider`), the two
+inputs of the four-way dispatch (DESIGN.md).
+
+Provider failures are per sample: a reward function that raises gives `None` for that sample
+(counted in `provider.failures`), never a crashed batch. Whether "every sample failed" is an
+error is the caller's decision; `ScoringError.raise_if_all_failed` makes it a clear one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Problem = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verifier's judgement of one completion.
+
+    Attributes:
+        reward: in [0, 1]; 1.0 is an exact answer.
+        hint: for a wrong answer, error-derived information that would help a second attempt
+            (e.g. "The answer has 2 digits; the last digit is 7."); None when correct.
+    """
+
+    reward: float
+    hint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reward <= 1.0:
+            raise ValueError(f"reward must be in [0, 1], got {self.reward!r}")
+
+
+class Task(ABC):
+    """A source of problems with a programmatic verifier.
+
+    Subclasses set `name` and implement `sample` and `verify`. `sample` must put
+    `"messages"` and `"task"` into the problem it returns.
+    """
+
+    name: str = "task"
+
+    @abstractmethod
+    def sample(self, rng: random.Random) -> Problem:
+        """Draw one problem using only `rng` (so a seeded stream is reproducible)."""
+
+    @abstractmethod
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        """Score `completion` (decoded response text) against `problem`."""
+
+    def samples(self, n: int, seed: int = 0) -> list[Problem]:
+        """`n` problems from a fresh `random.Random(seed)`."""
+        rng = random.Random(seed)
+        return [self.sample(rng) for _ in range(n)]
+
+
+class ScoringError(RuntimeError):
+    """No sample of a batch received a usable score or hint because the provider failed."""
+
+    @classmethod
+    def raise_if_all_failed(cls, values: Sequence[Any], failures: int, what: str = "score") -> None:
+        """Raise when every value is None *and* every one of them was a failure.
+
+        Args:
+            values: a provider's output for one batch.
+            failures: how many of them were failures (exceptions) in this batch.
+            what: noun used in the message ("score", "hint").
+        """
+        if values and failures >= len(values) and all(v is None for v in values):
+            raise cls(
+                f"all {len(values)} {what} calls of the batch raised; see the logged "
+                "exceptions (the reward function or verifier is broken)"
+            )
+
+
+class ScoreProvider(ABC):
+    """Scores completions. `None` means no usable score (the sample gets `has_reward=False`)."""
+
+    failures: int = 0
+
+    @abstractmethod
+    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
+        """One score in [0, 1] (or None) per (problem, completion) pair."""
+
+
+class HintProvider(ABC):
+    """Produces hints. `None` means no accepted hint (the sample gets `has_teacher=False`)."""
+
+    failures: int = 0
+
+    @abstractmethod
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        """One hint (or None) per (problem, completion) pair."""
+
+
+def _check_lengths(problems: Sequence[Any], completions: Sequence[Any]) -> None:
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+
+
+class _VerifierBase:
+    """Shared lookup of a problem's verifier and per-sample failure accounting."""
+
+    def __init__(self, task: Task | str | None = None) -> None:
+        if isinstance(task, str):
+            from composer_lightning.tasks.registry import get_task
+
+            task = get_task(task)
+        self.task = task
+        self.failures = 0
+        self._cache: dict[str, Task] = {}
+
+    def _task_for(self, problem: Problem) -> Task:
+        if self.task is not None:
+            return self.task
+        name = problem.get("task")
+        if not name:
+            raise ValueError(
+                "problem has no 'task' field and the provider was built without a task"
+            )
+        if name not in self._cache:
+            from composer_lightning.tasks.registry import get_task
+
+            self._cache[name] = get_task(name)
+        return self._cache[name]
+
+    def _verdicts(self, problems: list[Problem], completions: list[str]) -> list[Verdict | None]:
+        _check_lengths(problems, completions)
+        out: list[Verdict | None] = []
+        for i, (problem, completion) in enumerate(zip(problems, completions, strict=True)):
+            try:
+                out.append(self._task_for(problem).verify(problem, completion))
+            except Exception:  # a broken verifier must not crash the batch
+                self.failures += 1
+                logger.exception("verifier raised on sample %d; it gets no score/hint", i)
+                out.append(None)
+        return out
+
+
+class VerifierScore(_VerifierBase, ScoreProvider):
+    """Scores with the task verifier: always usable unless the verifier raises.
+
+    Args:
+        task: the task (instance, short name or class path); None looks up `problem["task"]`.
+    """
+
+    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
+        return [
+            None if v is None else float(v.reward) for v in self._verdicts(problems, completions)
+        ]
+
+
+class VerifierHint(_VerifierBase, HintProvider):
+    """Hints from the task verifier's error-derived `Verdict.hint` (None when correct).
+
+    Args:
+        task: the task (instance, short name or class path); None looks up `problem["task"]`.
+    """
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        return [None if v is None else v.hint for v in self._verdicts(problems, completions)]
+
+
+class FunctionScore(ScoreProvider):
+    """Scores with a plain reward function `fn(problem, completion) -> float`.
+
+    Values are clipped to [0, 1]; a call that raises or returns a non-finite value gives None
+    for that sample and is counted in `failures`.
+
+    Args:
+        fn: the reward function.
+    """
+
+    def __init__(self, fn: Callable[[Problem, str], float]) -> None:
+        self.fn = fn
+        self.failures = 0
+
+    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
+        _check_lengths(problems, completions)
+        out: list[float | None] = []
+        for i, (problem, completion) in enumerate(zip(problems, completions, strict=True)):
+            try:
+                value = float(self.fn(problem, completion))
+                if value != value or value in (float("inf"), float("-inf")):
+                    raise ValueError(f"reward function returned {value}")
+                out.append(min(1.0, max(0.0, value)))
+            except Exception:
+                self.failures += 1
+                logger.exception("reward function raised on sample %d; it gets no score", i)
+                out.append(None)
+        return out

@@ -1,0 +1,192 @@
+"""LLM-judge score and hint providers: m votes per sample through a rollout engine.
+
+Each sample is shown to a judge model `votes` times (one `engine.generate(..., n=votes)` call
+for the whole batch) with a prompt template shipped in `tasks/templates/`. Placeholders
+`{prompt}` (the problem's chat as "role: content" lines), `{answer}` (the problem's "answer"
+field, or empty) and `{response}` are substituted literally (no `str.format`, so braces in the
+text are safe).
+
+Parsing (case-insensitive, the first match in a vote decides):
+- Score votes: ``SCORE: +1`` / ``SCORE: 1`` → +1, ``SCORE: -1`` → −1; anything else (no
+  "SCORE:", "SCORE: 0", "SCORE: 0.5", "SCORE: 10") is no vote.
+- Hint votes: the text after the first ``HINT:`` up to the end of the vote, stripped. Empty
+  text or "none" / "n/a" (any case, trailing period allowed) is no hint.
+
+Aggregation over the m votes of a sample (m counts every vote, parsable or not):
+- Score: if strictly more than m/2 votes are +1 the score is 1.0; if strictly more than m/2 are
+  −1 it is 0.0; otherwise None (no usable score: `has_reward=False`).
+- Hint: accepted when strictly more than m/2 votes produced a hint; the accepted hint is the
+  longest of them (the first such vote on ties). Otherwise None (`has_teacher=False`).
+If the engine raises, every sample of the call gets None and is counted in `failures`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from importlib import resources
+from typing import Any
+
+from composer_lightning.engines.base import SamplingConfig
+from composer_lightning.tasks.base import HintProvider, Problem, ScoreProvider
+
+logger = logging.getLogger(__name__)
+
+_SCORE = re.compile(r"SCORE:\s*([+-]?)\s*1(?!\d|\.\d)", re.IGNORECASE)
+_ANY_SCORE = re.compile(r"SCORE:", re.IGNORECASE)
+_HINT = re.compile(r"HINT:(.*)", re.IGNORECASE | re.DOTALL)
+_NO_HINT = {"none", "n/a", "na", "no hint"}
+
+
+def load_template(name: str) -> str:
+    """A judge template shipped in `composer_lightning/tasks/templates/` ("judge_score.txt")."""
+    return resources.files("composer_lightning.tasks").joinpath("templates", name).read_text()
+
+
+def parse_score(text: str) -> int | None:
+    """+1, −1, or None for one judge vote; only the first "SCORE:" counts."""
+    first = _ANY_SCORE.search(text)
+    if first is None:
+        return None
+    m = _SCORE.match(text, first.start())
+    if m is None:
+        return None
+    return -1 if m.group(1) == "-" else 1
+
+
+def parse_hint(text: str) -> str | None:
+    """The hint of one judge vote, or None (no "HINT:", empty, or "NONE")."""
+    m = _HINT.search(text)
+    if m is None:
+        return None
+    hint = m.group(1).strip()
+    if not hint or hint.rstrip(".").strip().lower() in _NO_HINT:
+        return None
+    return hint
+
+
+def majority_score(votes: list[int | None]) -> float | None:
+    """1.0 / 0.0 on a strict ±1 majority of all votes (unparsable ones included), else None."""
+    m = len(votes)
+    if sum(v == 1 for v in votes) * 2 > m:
+        return 1.0
+    if sum(v == -1 for v in votes) * 2 > m:
+        return 0.0
+    return None
+
+
+def accepted_hint(hints: list[str | None]) -> str | None:
+    """The longest hint if strictly more than half of all votes produced one, else None."""
+    given = [h for h in hints if h is not None]
+    if len(given) * 2 <= len(hints):
+        return None
+    return max(given, key=len)  # max keeps the first of equal lengths
+
+
+def render_chat(messages: list[dict[str, Any]]) -> str:
+    """A chat as plain "role: content" lines for a judge prompt."""
+    return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
+
+
+class _Judge:
+    """Shared prompt building and voting through an engine."""
+
+    default_template = ""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        votes: int = 3,
+        template: str | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> None:
+        if votes < 1:
+            raise ValueError(f"votes must be >= 1, got {votes}")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.votes = votes
+        self.template = template if template is not None else load_template(self.default_template)
+        if sampling is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            sampling = SamplingConfig(
+                temperature=1.0, max_tokens=64, stop_token_ids=[] if eos is None else [eos]
+            )
+        self.sampling = sampling
+        self.failures = 0
+
+    def prompt_text(self, problem: Problem, completion: str) -> str:
+        """The judge's user message for one sample."""
+        chat = problem.get("messages") or [{"role": "user", "content": problem.get("prompt", "")}]
+        return (
+            self.template.replace("{prompt}", render_chat(chat))
+            .replace("{answer}", str(problem.get("answer", "")))
+            .replace("{response}", completion)
+        )
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Token ids of the judge prompt (chat template when the tokenizer has one)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text)["input_ids"])
+
+    def vote_texts(self, problems: list[Problem], completions: list[str]) -> list[list[str]] | None:
+        """Decoded votes per sample, or None if the engine call failed (all counted)."""
+        if len(problems) != len(completions):
+            raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+        if not problems:
+            return []
+        prompts = [
+            self.prompt_ids(self.prompt_text(p, c))
+            for p, c in zip(problems, completions, strict=True)
+        ]
+        try:
+            outs = self.engine.generate(prompts, self.votes, self.sampling)
+        except Exception:
+            self.failures += len(problems)
+            logger.exception("judge engine raised; %d samples get no judgement", len(problems))
+            return None
+        return [
+            [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+            for group in outs
+        ]
+
+
+class LLMJudgeScore(_Judge, ScoreProvider):
+    """Score provider: ±1 majority of `votes` judge calls → 1.0 / 0.0, otherwise None.
+
+    Args:
+        engine: anything with `generate(prompts: list[list[int]], n, sampling)` returning
+            per prompt a list of completions with `.token_ids`.
+        tokenizer: the judge model's tokenizer (prompt encoding and vote decoding).
+        votes: m, the judge calls per sample.
+        template: prompt text with `{prompt}`, `{answer}`, `{response}`; default
+            `templates/judge_score.txt`.
+        sampling: judge sampling; default temperature 1, 64 tokens, stop at the tokenizer's eos.
+    """
+
+    default_template = "judge_score.txt"
+
+    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
+        texts = self.vote_texts(problems, completions)
+        if texts is None:
+            return [None] * len(problems)
+        return [majority_score([parse_score(t) for t in group]) for group in texts]
+
+
+class LLMJudgeHint(_Judge, HintProvider):
+    """Hint provider: accepted when a strict majority of `votes` give a hint; the longest wins.
+
+    Args: as `LLMJudgeScore`; the default template is `templates/judge_hint.txt`.
+    """
+
+    default_template = "judge_hint.txt"
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        texts = self.vote_texts(problems, completions)
+        if texts is None:
+            return [None] * len(problems)
+        return [accepted_hint([parse_hint(t) for t in group]) for group in texts]

@@ -1,0 +1,48 @@
+"""Lookup of tasks by short name or dotted class path (no import-time registry)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from composer_lightning.tasks.base import Task
+
+BUILTIN_TASKS: dict[str, str] = {
+    "arithmetic": "composer_lightning.tasks.arithmetic.Arithmetic",
+    "reverse": "composer_lightning.tasks.reverse.ReverseDigits",
+}
+
+
+def _import_class(path: str) -> type:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"not a dotted class path: {path!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot import task class {path!r}: {err}") from err
+
+
+def get_task(name_or_class_path: str, **kwargs: Any) -> Task:
+    """Build a task from a built-in short name or a dotted class path.
+
+    Args:
+        name_or_class_path: e.g. "arithmetic", "reverse" or "my_pkg.tasks.MyTask".
+        **kwargs: passed to the task's constructor.
+
+    Raises:
+        ValueError: unknown name (the message lists the built-in names), an import failure,
+            or a class that is not a `Task`.
+    """
+    path = BUILTIN_TASKS.get(name_or_class_path)
+    if path is None:
+        if "." not in name_or_class_path:
+            raise ValueError(
+                f"unknown task {name_or_class_path!r}; known names: {sorted(BUILTIN_TASKS)}, "
+                "or give a dotted class path (package.module.Class)"
+            )
+        path = name_or_class_path
+    cls = _import_class(path)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"{path!r} is not a Task subclass")
+    return cls(**kwargs)

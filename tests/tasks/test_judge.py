@@ -1,0 +1,132 @@
+"""LLM-judge parsing and voting, through a scripted fake engine (a test double for the
+engine only: the prompts, tokenisation and decoding are real)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from composer_lightning.engines.base import Completion, SamplingConfig
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.tasks import Arithmetic, LLMJudgeHint, LLMJudgeScore
+from composer_lightning.tasks.judge import accepted_hint, load_template, parse_hint, parse_score
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(tiny_policy_path())
+
+
+class ScriptedEngine:
+    """Returns scripted vote texts (encoded with the real tokenizer), one list per prompt."""
+
+    def __init__(self, tokenizer, script: list[list[str]]) -> None:
+        self.tokenizer, self.script = tokenizer, script
+        self.calls: list[tuple[list[list[int]], int, SamplingConfig]] = []
+
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        self.calls.append((prompts, n, sampling))
+        assert len(prompts) == len(self.script)
+        out = []
+        for texts in self.script:
+            assert len(texts) == n
+            ids = [
+                self.tokenizer(t, add_special_tokens=False)["input_ids"]
+                + [self.tokenizer.eos_token_id]
+                for t in texts
+            ]
+            out.append([Completion(i, [0.0] * len(i), "stop") for i in ids])
+        return out
+
+
+class BrokenEngine:
+    def generate(self, prompts, n, sampling):
+        raise RuntimeError("judge server down")
+
+
+@pytest.mark.parametrize(
+    ("text", "vote"),
+    [
+        ("SCORE: +1", 1),
+        ("SCORE: +1.", 1),
+        ("looks right.\nscore: 1", 1),
+        ("SCORE:-1", -1),
+        ("SCORE: - 1", -1),
+        ("SCORE: 0", None),
+        ("SCORE: 0.5", None),
+        ("SCORE: 10", None),
+        ("SCORE: 1.0", None),
+        ("I think +1", None),
+        ("SCORE: maybe. SCORE: +1", None),  # only the first SCORE: counts
+        ("SCORE: -1 then SCORE: +1", -1),
+    ],
+)
+def test_parse_score(text: str, vote: int | None) -> None:
+    assert parse_score(text) == vote
+
+
+def test_parse_hint() -> None:
+    assert parse_hint("HINT: carry the one.") == "carry the one."
+    assert parse_hint("reasoning...\nhint:  check the last digit ") == "check the last digit"
+    assert parse_hint("HINT: NONE") is None
+    assert parse_hint("HINT: none.") is None
+    assert parse_hint("HINT:   ") is None
+    assert parse_hint("the answer is wrong") is None
+    assert accepted_hint(["ab", None, "abcd"]) == "abcd"
+    assert accepted_hint(["ab", None, None]) is None
+    assert accepted_hint(["ab", "cd", None, None]) is None  # 2 of 4 is not a strict majority
+    assert accepted_hint(["xy", "ab"]) == "xy"  # first on ties
+
+
+def test_judge_score_majority_no_majority_and_unparsable(tokenizer) -> None:
+    problems = [Arithmetic().make(2, "+", 3)] * 5
+    script = [
+        ["SCORE: +1", "SCORE: +1", "SCORE: -1"],  # +1 majority → 1.0
+        ["SCORE: -1", "garbage", "SCORE: -1"],  # −1 majority → 0.0
+        ["SCORE: +1", "SCORE: -1", "garbage"],  # tie → None
+        ["SCORE: +1", "no score", "SCORE: 0"],  # one vote of three is not a majority
+        ["blah", "blah", "blah"],  # nothing parsable → None
+    ]
+    engine = ScriptedEngine(tokenizer, script)
+    judge = LLMJudgeScore(engine, tokenizer, votes=3)
+    assert judge.score(problems, ["5", "6", "5", "5", "x"]) == [1.0, 0.0, None, None, None]
+    prompts, n, sampling = engine.calls[0]
+    assert n == 3 and sampling.stop_token_ids == [tokenizer.eos_token_id]
+    text = tokenizer.decode(prompts[1])
+    assert "What is 2 + 3?" in text and "Response:\n6" in text and "SCORE: +1" in text
+    assert prompts[1][-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")  # chat-formatted
+
+
+def test_judge_hint_accepts_on_majority_and_picks_longest(tokenizer) -> None:
+    problems = [Arithmetic().make(9, "+", 9)] * 4
+    script = [
+        ["HINT: carry.", "HINT: the tens digit needs the carry.", "HINT: NONE"],
+        ["HINT: NONE", "HINT: check", "no hint here"],
+        ["HINT: a", "HINT: bb", "HINT: ccc"],
+        ["HINT: NONE"] * 3,
+    ]
+    judge = LLMJudgeHint(ScriptedEngine(tokenizer, script), tokenizer, votes=3)
+    assert judge.hints(problems, ["17"] * 4) == [
+        "the tens digit needs the carry.",
+        None,
+        "ccc",
+        None,
+    ]
+    assert "HINT: NONE" in judge.template and judge.template == load_template("judge_hint.txt")
+
+
+def test_judge_custom_template_and_engine_failure(tokenizer) -> None:
+    engine = ScriptedEngine(tokenizer, [["SCORE: +1"]])
+    judge = LLMJudgeScore(engine, tokenizer, votes=1, template="Q {prompt} A {response} {x}")
+    assert judge.score([{"prompt": "hi {x}"}], ["yo"]) == [1.0]
+    assert (
+        tokenizer.decode(engine.calls[0][0][0], skip_special_tokens=True)
+        == "Q user: hi {x} A yo {x}"
+    )
+    broken = LLMJudgeScore(BrokenEngine(), tokenizer, votes=3)
+    assert broken.score([{"prompt": "a"}, {"prompt": "b"}], ["1", "2"]) == [None, None]
+    assert broken.failures == 2
+    with pytest.raises(ValueError):
+        LLMJudgeHint(BrokenEngine(), tokenizer, votes=0)

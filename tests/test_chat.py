@@ -1,0 +1,156 @@
+"""Hint splicing on real tokenised chats (the shipped tiny tokenizer and its chat template)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from transformers import AutoTokenizer
+
+from composer_lightning.chat import (
+    multi_turn_sample,
+    render_ids,
+    single_turn_teacher,
+    tokenize_prompt,
+)
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.tasks import Arithmetic
+
+HINT = "Hint: read the error message of the tool carefully, then fix the call."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(tiny_policy_path())
+
+
+def trace(error: object = {"type": "parse_error"}) -> list[dict]:
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 12 + 30?"},
+        {"role": "assistant", "content": 'call calculator {"expression": "12 +* 30"}'},
+        {
+            "role": "tool",
+            "content": "Tool error: cannot parse expression 12 +* 30.",
+            "tool_error": error,
+        },
+        {"role": "assistant", "content": 'call calculator {"expression": "12 + 30"}'},
+        {"role": "tool", "content": "The tool returned 42.", "tool_error": None},
+        {"role": "assistant", "content": "42"},
+    ]
+
+
+def test_tokenize_prompt_messages_and_prompt_string(tok) -> None:
+    problem = Arithmetic().make(3, "+", 4)
+    ids = tokenize_prompt(tok, problem)
+    assert tok.decode(ids) == "<|bos|><|user|>What is 3 + 4?<|eot|><|assistant|>"
+    assert tokenize_prompt(tok, {"prompt": "What is 3 + 4?"}) == ids
+    with pytest.raises(ValueError, match="messages"):
+        tokenize_prompt(tok, {"answer": "7"})
+
+
+@pytest.mark.parametrize("role", ["user", "system"])
+def test_single_turn_response_maps_onto_teacher_tail(tok, role: str) -> None:
+    messages = Arithmetic().make(3, "+", 4)["messages"]
+    prompt = tokenize_prompt(tok, {"messages": messages})
+    response = tok("8", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ctx = single_turn_teacher(
+        tok, messages, response, "The answer has 1 digit; the last digit is 7.", role
+    )
+    assert ctx.teacher_ids[ctx.response_start :] == response
+    assert tok.decode(ctx.teacher_ids[: ctx.response_start]) == (
+        f"<|bos|><|user|>What is 3 + 4?<|eot|><|{role}|>The answer has 1 digit; "
+        "the last digit is 7.<|eot|><|assistant|>"
+    )
+    student = prompt + response
+    positions = ctx.positions(len(prompt), len(student))
+    assert positions[: len(prompt)] == [-1] * len(prompt)
+    for t, p in enumerate(positions):
+        if p >= 0:
+            assert ctx.teacher_ids[p] == student[t]
+    with pytest.raises(ValueError):
+        ctx.positions(len(prompt), len(student) + 1)
+    with pytest.raises(ValueError, match="hint_role"):
+        single_turn_teacher(tok, messages, response, "x", "assistant")
+
+
+def test_multi_turn_alignment_and_masks(tok) -> None:
+    messages = trace()
+    s = multi_turn_sample(tok, messages, hint=HINT)
+    assert s.has_teacher and s.error_turn == 3
+    student, teacher = s.student_ids, s.teacher_ids
+    n = len(student)
+    assert student == render_ids(tok, messages)
+    assert len(s.response_mask) == len(s.teacher_positions) == len(s.sdpo_mask) == n
+
+    # response_mask = the assistant contents, each with its end-of-turn token
+    masked = [student[t] for t in range(n) if s.response_mask[t]]
+    expected = []
+    for m in messages:
+        if m["role"] == "assistant":
+            expected += tok(m["content"], add_special_tokens=False)["input_ids"] + [
+                tok.eos_token_id
+            ]
+    assert masked == expected
+
+    # every mapped position carries the same token; exactly the response tokens are mapped
+    mapped = [t for t in range(n) if s.teacher_positions[t] >= 0]
+    assert mapped == [t for t in range(n) if s.response_mask[t]]
+    for t in mapped:
+        assert teacher[s.teacher_positions[t]] == student[t]
+
+    # sdpo ⊆ response, and it is the recovery: the assistant turns after the error
+    assert all(s.response_mask[t] for t in range(n) if s.sdpo_mask[t])
+    recovery = [student[t] for t in range(n) if s.sdpo_mask[t]]
+    assert tok.decode(recovery) == 'call calculator {"expression": "12 + 30"}<|eot|>42<|eot|>'
+
+    # before the error turn's end everything is identical; the hint sits in the teacher only
+    err_end = len(render_ids(tok, messages[:4]))
+    assert teacher[:err_end] == student[:err_end]
+    for t in range(err_end):
+        assert s.teacher_positions[t] in (-1, t)
+    hint_ids = render_ids(tok, [*messages[:4], {"role": "user", "content": HINT}])[err_end:]
+    assert teacher[err_end : err_end + len(hint_ids)] == hint_ids
+    assert tok.decode(hint_ids) == f"<|user|>{HINT}<|eot|>"
+    assert len(teacher) == n + len(hint_ids)
+    assert teacher[err_end + len(hint_ids) :] == student[err_end:]
+    assert HINT not in tok.decode(student) and HINT in tok.decode(teacher)
+    for t in range(err_end, n):
+        if s.teacher_positions[t] >= 0:
+            assert s.teacher_positions[t] == t + len(hint_ids)
+
+
+def test_system_hint_role(tok) -> None:
+    s = multi_turn_sample(tok, trace(), hint=HINT, hint_role="system")
+    assert f"<|system|>{HINT}<|eot|><|assistant|>" in tok.decode(s.teacher_ids)
+
+
+@pytest.mark.parametrize("error", [None])
+def test_no_error_turn_gets_no_teacher(tok, error) -> None:
+    messages = trace(error=error)
+    messages[5]["content"] = "Error: this text mentions an error but carries no tool_error."
+    s = multi_turn_sample(tok, messages, hint=HINT)
+    assert not s.has_teacher and s.teacher_ids is None and s.error_turn is None
+    assert s.teacher_positions == [-1] * len(s.student_ids)
+    assert not any(s.sdpo_mask) and any(s.response_mask)
+
+
+def test_no_hint_or_no_recovery_gets_no_teacher(tok) -> None:
+    assert not multi_turn_sample(tok, trace(), hint=None).has_teacher
+    cut = trace()[:4]  # the error is the last turn: nothing after the hint to supervise
+    s = multi_turn_sample(tok, cut, hint=HINT)
+    assert not s.has_teacher and s.error_turn == 3
+    falsy = trace(error=0)  # any non-None value marks the error, even a falsy one
+    assert multi_turn_sample(tok, falsy, hint=HINT).error_turn == 3
+
+
+def test_non_prefix_stable_template_raises(tok) -> None:
+    bad = copy.deepcopy(tok)
+    # like templates that drop earlier assistant reasoning: only the last turn is rendered in full
+    bad.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if loop.last or m['role'] != 'assistant' %}{{ m['content'] }}{% else %}...{% endif %}"
+        "<|eot|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    with pytest.raises(ValueError, match="prefix-stable"):
+        multi_turn_sample(bad, trace(), hint=HINT)
