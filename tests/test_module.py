@@ -152,3 +152,68 @@ def test_mixing_loss_equals_advantage_at_ratio_one_and_differs_where_clip_binds(
     second_adv = adv_calls[1][1]
     second_loss = loss_calls[3][1] + loss_calls[4][1]
     assert abs(second_adv - second_loss) > 1e-4
+
+
+def test_variance_matching_rescales_each_term_to_the_reference_sigma():
+    batch = synthetic_batch(torch.Generator().manual_seed(7), prompts=3, group_size=4, vocab_size=64,
+                            hint_prob=0.7)
+    module = ComposerModule(tiny_model(), [DrGRPOHead(), OPDHead(weight=2.0)], teacher=tiny_model(seed=3),
+                            variance_matching="dr_grpo")
+    weights = {"dr_grpo": 1.0, "opd": 2.0}
+    ctx = module._context(batch, None, {"teacher_logprobs"})
+    _, metrics = module._objective(batch, ctx, weights)
+    rl = module.heads[0].compute(batch, ctx)
+    opd = module.heads[1].compute(batch, ctx)
+    s_rl = rl.advantages[rl.active_mask].std(unbiased=False)
+    s_opd = opd.advantages[opd.active_mask].std(unbiased=False)
+    assert metrics["dr_grpo/weight"] == 1.0
+    assert metrics["opd/weight"] == pytest.approx(2.0 * float(s_rl / s_opd), rel=1e-12)
+
+
+def test_variance_matching_keeps_the_weight_of_a_constant_term():
+    batch = synthetic_batch(torch.Generator().manual_seed(7), vocab_size=64)
+    batch.rewards[:] = 1.0  # every group constant: σ(dr_grpo) = 0
+    module = ComposerModule(tiny_model(), [DrGRPOHead(weight=0.5), OPDHead()], variance_matching="opd")
+    ctx = module._context(batch, None, {"teacher_logprobs"})
+    _, metrics = module._objective(batch, ctx, {"dr_grpo": 0.5, "opd": 1.0})
+    assert metrics["dr_grpo/weight"] == 0.5
+
+
+def test_entropy_bonus_subtracts_coef_times_aggregated_entropy():
+    batch = synthetic_batch(torch.Generator().manual_seed(2), vocab_size=64)
+    base = tiny_model()
+    plain = ComposerModule(copy.deepcopy(base), [DrGRPOHead()])
+    bonus = ComposerModule(copy.deepcopy(base), [DrGRPOHead()], entropy_coef=0.01)
+    l0, _ = plain._objective(batch, plain._context(batch, None, set()), {"dr_grpo": 1.0})
+    ctx = bonus._context(batch, None, set())
+    l1, metrics = bonus._objective(batch, ctx, {"dr_grpo": 1.0})
+    expected = l0 - 0.01 * ctx.aggregate(ctx.entropy, batch.response_mask)
+    torch.testing.assert_close(l1, expected, rtol=0, atol=1e-12)
+    assert "entropy" in metrics
+
+
+def test_minibatches_split_along_groups_and_recompute_old_logprobs():
+    """Two minibatches: the first update sees ratio exactly 1 (old = recomputed before any
+    update), the second sees the first update's effect (ratio ≠ 1)."""
+    batch = synthetic_batch(torch.Generator().manual_seed(8), prompts=4, group_size=2, vocab_size=64,
+                            reward_prob=1.0)
+    module = ComposerModule(tiny_model(), [DrGRPOHead()], minibatches=2,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=1.0), max_grad_norm=None)
+    parts = module._minibatch_indices(batch)
+    assert len(parts) == 2
+    for part in parts:  # no group is split
+        groups = set(batch.group_ids[part].tolist())
+        assert all(set(torch.nonzero(batch.group_ids == g).flatten().tolist()) <= set(part.tolist())
+                   for g in groups)
+    seen = []
+    real = module_lib.policy_loss
+
+    def spy(lp, old, *a, **kw):
+        seen.append(float((lp - old).abs().max()))
+        return real(lp, old, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module_lib, "policy_loss", spy)
+        _fit_one(module, batch)
+    assert seen[0] == 0.0 and seen[1] > 1e-6
+    with pytest.raises(ValueError, match="minibatches=5 but the batch has only 4 groups"):
+        ComposerModule(tiny_model(), [DrGRPOHead()], minibatches=5)._minibatch_indices(batch)

@@ -167,3 +167,16 @@ def test_resume_resyncs_the_engine_and_continues_the_prompt_stream(tmp_path):
     assert watch.seen == [(2, 2, 2, True)]  # synced to the restored weights before generating
     assert dm2.consumed == 3  # the stream continued after the 2 consumed batches
     assert float(trainer.callback_metrics["rollout/logprob_gap_max"]) < 1e-5
+
+
+def test_a_judge_with_unparsable_output_gives_no_score_end_to_end():
+    """The tiny policy as judge never writes 'SCORE: ±1': no sample gets a usable score, so the
+    hinted (wrong) ones train OPD-only and the rest are dropped and counted."""
+    from composer_lightning.tasks import LLMJudgeScore
+
+    judge = LLMJudgeScore(HFEngine(model_path=POLICY, seed=1), tokenizer=POLICY, votes=3)
+    cb = _callback(score=judge)
+    _, _, trainer = _fit([cb], steps=1)
+    m = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert m["dispatch/opd_rl"] == 0 and m["dispatch/rl_only"] == 0
+    assert m["dispatch/opd_only"] + m["dispatch/dropped"] == 8 and m["dispatch/opd_only"] > 0

@@ -27,7 +27,7 @@ import re
 from importlib import resources
 from typing import Any
 
-from composer_lightning.engines.base import SamplingConfig
+from composer_lightning.engines.base import RolloutEngine, SamplingConfig
 from composer_lightning.tasks.base import HintProvider, Problem, ScoreProvider
 
 logger = logging.getLogger(__name__)
@@ -95,14 +95,18 @@ class _Judge:
 
     def __init__(
         self,
-        engine: Any,
-        tokenizer: Any,
+        engine: RolloutEngine,
+        tokenizer: str | Any,
         votes: int = 3,
         template: str | None = None,
         sampling: SamplingConfig | None = None,
     ) -> None:
         if votes < 1:
             raise ValueError(f"votes must be >= 1, got {votes}")
+        if isinstance(tokenizer, str):  # a local directory, as YAML configs give it
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.engine = engine
         self.tokenizer = tokenizer
         self.votes = votes
@@ -161,7 +165,8 @@ class LLMJudgeScore(_Judge, ScoreProvider):
     Args:
         engine: anything with `generate(prompts: list[list[int]], n, sampling)` returning
             per prompt a list of completions with `.token_ids`.
-        tokenizer: the judge model's tokenizer (prompt encoding and vote decoding).
+        tokenizer: the judge model's tokenizer, or its local directory (prompt encoding and
+            vote decoding).
         votes: m, the judge calls per sample.
         template: prompt text with `{prompt}`, `{answer}`, `{response}`; default
             `templates/judge_score.txt`.
