@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 from collections import defaultdict
 from typing import Any
 
@@ -320,7 +321,8 @@ class ComposerModule(L.LightningModule):
     # ----------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["composer"] = {"policy_version": self.policy_version,
-                                  "heads": {h.name: h.state_dict() for h in self.heads}}
+                                  "heads": {h.name: h.state_dict() for h in self.heads},
+                                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("composer", {})
@@ -328,6 +330,9 @@ class ComposerModule(L.LightningModule):
         for head in self.heads:
             if head.name in state.get("heads", {}):
                 head.load_state_dict(state["heads"][head.name])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
 
 
 def _live_objects(**args: Any) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,14 @@ def test_resume_restores_weights_optimizer_head_state_and_version(tmp_path):
     for (n, p), (_, q) in zip(first.policy.named_parameters(), resumed.policy.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     assert trainer.optimizers[0].state_dict()["state"].keys() == first.trainer.optimizers[0].state_dict()["state"].keys()
+
+
+def test_checkpoint_restores_the_rng_states():
+    module = _module()
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(1234)
+    random.seed(1234)
+    module.on_load_checkpoint(checkpoint)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
