@@ -9,7 +9,6 @@ nothing. Prompts are sharded by rank; a prompt's G samples are generated on its 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Iterator
@@ -19,33 +18,21 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.chat import problem_messages, tokenize_prompt
+from composer_lightning.datamodules.jsonl import read_jsonl
 from composer_lightning.tasks import Task, get_task
+
+
+def _prompt_problem(obj: dict[str, Any]) -> str | None:
+    try:
+        problem_messages(obj)
+    except ValueError:
+        return "needs 'prompt' (a string) or 'messages' (a list of {role, content})"
+    return None
 
 
 def read_prompt_file(path: str) -> list[dict[str, Any]]:
     """Problems from a JSONL file: one `{"prompt": ...}` or `{"messages": [...]}` per line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file {path!r} does not exist")
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            try:
-                problem_messages(obj)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: needs 'prompt' (a string) or 'messages' "
-                                 "(a list of {role, content})") from None
-            problems.append(obj)
-    if not problems:
-        raise ValueError(f"prompt file {path!r} holds no prompts")
-    return problems
+    return read_jsonl(path, "prompt", _prompt_problem)
 
 
 class PromptStream(IterableDataset):

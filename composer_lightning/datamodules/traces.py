@@ -16,8 +16,6 @@ policy, so they train SDPO / OPD / reward heads off-policy.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -28,31 +26,22 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.chat import TraceSample, multi_turn_sample
+from composer_lightning.datamodules.jsonl import read_jsonl
+
+
+def _trace_problem(obj: dict[str, Any]) -> str | None:
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
+        return "needs 'messages', a list of {role, content}"
+    reward = obj.get("reward")
+    if reward is not None and not (isinstance(reward, (int, float)) and 0 <= reward <= 1):
+        return f"reward must be a number in [0, 1], got {reward!r}"
+    return None
 
 
 def read_traces(path: str) -> list[dict[str, Any]]:
     """Trace records from a JSONL file; a malformed line is an error naming file and line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"trace file {path!r} does not exist")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            msgs = obj.get("messages") if isinstance(obj, dict) else None
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
-                raise ValueError(f"{path}:{lineno}: needs 'messages', a list of {{role, content}}")
-            reward = obj.get("reward")
-            if reward is not None and not (isinstance(reward, (int, float)) and 0 <= reward <= 1):
-                raise ValueError(f"{path}:{lineno}: reward must be a number in [0, 1], got {reward!r}")
-            out.append(obj)
-    if not out:
-        raise ValueError(f"trace file {path!r} holds no traces")
-    return out
+    return read_jsonl(path, "trace", _trace_problem)
 
 
 def pack_traces(samples: list[TraceSample], rewards: list[float | None], ids: list[int],

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from composer_lightning.models.llama import llama_config
 
 
 def build_random_llama(
@@ -31,23 +33,10 @@ def build_random_llama(
     Returns:
         `path` as a string.
     """
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
-    head_dim = hidden_size // num_heads
-    if head_dim < 32:
-        raise ValueError(f"head_dim = {head_dim} < 32; vLLM's CPU attention needs >= 32")
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=None,
+    config = llama_config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None,
         initializer_range=initializer_range,
     )
     with torch.random.fork_rng(devices=[]):

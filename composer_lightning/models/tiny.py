@@ -18,6 +18,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
+from composer_lightning.models.llama import llama_config
+
 ROLES = ("system", "user", "assistant", "tool")
 BOS, EOT, PAD = "<|bos|>", "<|eot|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOT, PAD] + [f"<|{r}|>" for r in ROLES]
@@ -78,21 +80,11 @@ def tiny_llama_config(
     max_position_embeddings: int = 256,
 ) -> LlamaConfig:
     """The tiny policy's Llama config (head_dim = hidden / heads ≥ 32: vLLM's CPU attention)."""
-    if hidden_size // num_heads < 32:
-        raise ValueError("head_dim must be >= 32 (vLLM CPU attention)")
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        dtype="float32",
+    return llama_config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, dtype="float32",
     )
 
 
