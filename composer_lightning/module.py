@@ -28,6 +28,7 @@ from composer_lightning.functional import (
 )
 from composer_lightning.functional.align import gather_teacher_logits, teacher_alignment
 from composer_lightning.heads.base import Head
+from composer_lightning.mixer import AdvantageTerm, masked_stats, variance_scales
 from composer_lightning.models.loading import load_causal_lm
 from composer_lightning.step import StepContext, forward_logits, shift_logits
 
@@ -191,7 +192,7 @@ class ComposerModule(L.LightningModule):
     def _objective(self, mb: RolloutBatch, ctx: StepContext, weights: dict[str, float]
                    ) -> tuple[Tensor, dict[str, Tensor | float]]:
         metrics: dict[str, Tensor | float] = {}
-        terms: list[tuple[str, float, Tensor, Tensor]] = []
+        terms: list[AdvantageTerm] = []
         total = ctx.logprobs.sum() * 0.0
         for head in self.heads:
             w = weights[head.name]
@@ -202,22 +203,22 @@ class ComposerModule(L.LightningModule):
             metrics.update({f"{head.name}/{k}": v for k, v in out.metrics.items()})
             if out.advantages is not None:
                 active = (out.active_mask if out.active_mask is not None else mb.response_mask).bool()
-                terms.append((head.name, w, out.advantages.detach(), active))
-                metrics[f"{head.name}/adv_mean"], metrics[f"{head.name}/adv_std"] = _masked_stats(
+                terms.append(AdvantageTerm(head.name, w, out.advantages.detach(), active))
+                metrics[f"{head.name}/adv_mean"], metrics[f"{head.name}/adv_std"] = masked_stats(
                     out.advantages, active)
             else:
                 metrics[f"{head.name}/loss"] = out.loss.detach()
                 total = total + w * out.loss
         if terms:
-            scales = self._variance_scales(terms)
-            scaled = [(name, w * scales[name] * adv) for name, w, adv, _ in terms]
-            for name, w, _, _ in terms:
-                metrics[f"{name}/weight"] = w * scales[name]
+            scales = variance_scales(terms, self.variance_matching)
+            scaled = [(t.name, t.weight * scales[t.name] * t.advantages) for t in terms]
+            for t in terms:
+                metrics[f"{t.name}/weight"] = t.weight * scales[t.name]
             pg, pg_metrics = self._surrogate(ctx, mb, scaled)
             metrics.update({f"ppo/{k}": v for k, v in pg_metrics.items()})
             metrics["ppo/loss"] = pg.detach()
             total = total + pg
-        if "entropy" in ctx._provided:
+        if ctx.has("entropy"):
             ent = ctx.entropy
             metrics["entropy"] = masked_aggregate(ent.detach(), mb.response_mask, "token_mean")
             if self.entropy_coef > 0:
@@ -237,17 +238,6 @@ class ComposerModule(L.LightningModule):
         with torch.no_grad():
             _, metrics = policy_loss(ctx.logprobs, ctx.old_logprobs, mixed, mb.response_mask, **kw)
         return loss, metrics
-
-    def _variance_scales(self, terms: list[tuple[str, float, Tensor, Tensor]]) -> dict[str, float]:
-        scales = {name: 1.0 for name, *_ in terms}
-        if self.variance_matching is None:
-            return scales
-        sigma = {name: float(_masked_stats(adv, active)[1]) for name, _, adv, active in terms}
-        ref = sigma.get(self.variance_matching, 0.0)
-        for name, s in sigma.items():
-            if s > 0 and ref > 0:
-                scales[name] = ref / s
-        return scales
 
     # ----------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -350,14 +340,6 @@ def _live_objects(**args: Any) -> list[str]:
     except ImportError:  # pragma: no cover - a Lightning without the CLI context
         pass
     return [k for k, v in args.items() if v is not None and not isinstance(v, (str, int, float))]
-
-
-def _masked_stats(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean and population std of `values` over `mask` (detached)."""
-    v = values.detach()[mask.bool()]
-    if v.numel() == 0:
-        return torch.zeros(()), torch.zeros(())
-    return v.mean(), v.std(unbiased=False)
 
 
 def _frozen(model: str | nn.Module | None) -> nn.Module | None:

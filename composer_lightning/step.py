@@ -54,6 +54,10 @@ class StepContext:
     _policy_forward: Callable[[Tensor, Tensor], Tensor] | None = None
     _reference_forward: Callable[[Tensor, Tensor], Tensor] | None = None
 
+    def has(self, key: str) -> bool:
+        """Whether `key` (e.g. "entropy") was computed for this step."""
+        return key in self._provided
+
     def _get(self, key: str) -> object:
         value = self._provided.get(key, _MISSING)
         if value is _MISSING:
