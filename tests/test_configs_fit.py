@@ -42,3 +42,15 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
                 "train/loss", "rollout/push_time", "rollout/tokens_per_s"):
         assert tag in s, tag
     assert glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+
+
+def test_cli_run_resumes_from_its_last_checkpoint(tmp_path):
+    """A crash after step 2 loses nothing: `fit --ckpt_path last.ckpt` restores every state."""
+    config = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
+    common = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    first = run_cli("fit", "--config", config, "--trainer.max_steps=2", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (last,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    second = run_cli("fit", "--config", config, "--trainer.max_steps=3", f"--ckpt_path={last}", *common)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Restored all states" in second.stdout + second.stderr
