@@ -35,6 +35,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from composer_lightning.module import ComposerModule
 
-    LightningCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
-                 save_config_kwargs={"overwrite": True})
+    class ComposerCLI(LightningCLI):
+        def instantiate_classes(self) -> None:
+            # Errors while building the configured objects are configuration errors: say what
+            # is wrong in one line instead of a traceback.
+            try:
+                super().instantiate_classes()
+            except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
+                raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
+
+    ComposerCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
+                save_config_kwargs={"overwrite": True})
     return 0

@@ -122,3 +122,16 @@ def test_checkpoint_restores_the_rng_states():
     random.seed(1234)
     module.on_load_checkpoint(checkpoint)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--model.clip_low=0", "clip_low must be in (0, 1), got 0.0"),
+    ("--model.aggregation=sum", "'sum'"),
+    ("--model.mixing=both", "mixing must be one of"),
+    ("--model.dual_clip=0.5", "dual_clip"),
+])
+def test_bad_settings_give_a_one_line_error(override, message):
+    out = run_cli("fit", "--config", str(ROOT / "configs" / "synthetic_demo.yaml"), override)
+    assert out.returncode != 0
+    assert "invalid configuration" in out.stderr and message in out.stderr
+    assert "Traceback" not in out.stderr
