@@ -61,7 +61,8 @@ class _Stream(IterableDataset):
 
 
 class SyntheticRolloutDataModule(L.LightningDataModule):
-    """An endless stream of synthetic rollout batches (see `synthetic_batch`)."""
+    """An endless stream of synthetic rollout batches (see `synthetic_batch`); each rank draws
+    its own stream."""
 
     def __init__(self, prompts: int = 2, group_size: int = 4, prompt_length: int = 6,
                  response_length: int = 8, hint_length: int = 3, vocab_size: int = 128,
@@ -73,4 +74,5 @@ class SyntheticRolloutDataModule(L.LightningDataModule):
                            vocab_size=vocab_size, reward_prob=reward_prob, hint_prob=hint_prob)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_Stream(self.seed, self.kwargs), batch_size=None)
+        rank = self.trainer.global_rank if getattr(self, "trainer", None) is not None else 0
+        return DataLoader(_Stream(self.seed + 1000 * rank, self.kwargs), batch_size=None)
