@@ -97,3 +97,10 @@ def check_prompts(prompts: list[list[int]], n: int) -> None:
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; engines need at least one prompt token")
+
+
+def resolve_seed(sampling: SamplingConfig, rng: torch.Generator) -> int:
+    """The call's seed: `sampling.seed`, or a fresh draw from the engine's own generator."""
+    if sampling.seed is not None:
+        return sampling.seed
+    return int(torch.randint(0, 2**62, (1,), generator=rng))

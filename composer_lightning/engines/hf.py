@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from composer_lightning.engines.base import Completion, SamplingConfig, check_prompts
+from composer_lightning.engines.base import Completion, SamplingConfig, check_prompts, resolve_seed
 from composer_lightning.engines.weights import hf_name
 
 
@@ -78,9 +78,7 @@ class HFEngine:
         check_prompts(prompts, n)
         if not prompts:
             return []
-        seed = sampling.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        seed = resolve_seed(sampling, self._rng)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             torch.manual_seed(seed)

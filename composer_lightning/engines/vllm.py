@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from composer_lightning.engines.base import Completion, SamplingConfig, check_prompts
+from composer_lightning.engines.base import Completion, SamplingConfig, check_prompts, resolve_seed
 from composer_lightning.engines.weights import hf_name
 
 _INSTALL_HINT = (
@@ -165,9 +165,7 @@ class VLLMEngine:
             return []
         from vllm import SamplingParams, TokensPrompt
 
-        base_seed = sampling.seed
-        if base_seed is None:
-            base_seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        base_seed = resolve_seed(sampling, self._rng)
         # vLLM seeds the j-th of n samples with seed + j; offset prompts so that identical
         # prompts in one call still get distinct samples.
         params = [
