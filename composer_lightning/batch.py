@@ -124,6 +124,8 @@ class RolloutBatch:
                     "RolloutBatch.teacher_attention_mask must have the shape of teacher_input_ids "
                     f"{tuple(self.teacher_input_ids.shape)}"
                 )
+        if self.teacher_input_ids is None and self.has_teacher is not None and bool(self.has_teacher.any()):
+            raise ValueError("RolloutBatch.has_teacher marks samples but teacher_input_ids is None")
         if self.max_response_length <= 0:
             raise ValueError(f"max_response_length must be > 0, got {self.max_response_length}")
 
