@@ -135,10 +135,12 @@ class RolloutCallback(L.Callback):
             "rollout/response_length_max": float(max(lengths)),
             "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
             "rollout/score_failures": float(failures),
+            "rollout/hint_failures": float(getattr(self.hint, "failures", 0)),
             "_tokens": float(sum(lengths)),
         }
-        if self.score.failures:
-            self.score.failures = 0
+        for provider in (self.score, self.hint):  # counts are per step
+            if getattr(provider, "failures", 0):
+                provider.failures = 0
         return rollout, metrics
 
 
