@@ -101,7 +101,7 @@ def test_resume_restores_weights_optimizer_head_state_and_version(tmp_path):
     L.Trainer(max_steps=3, callbacks=[ckpt], **kw).fit(first, SyntheticRolloutDataModule(vocab_size=64))
     path = sorted(glob.glob(str(tmp_path / "*step=3*.ckpt")))[0]
     resumed = _module()
-    trainer = L.Trainer(max_steps=3, **kw)
+    trainer = L.Trainer(max_steps=3, enable_checkpointing=False, **kw)
     trainer.fit(resumed, SyntheticRolloutDataModule(vocab_size=64), ckpt_path=path)
     assert resumed.policy_version == first.policy_version == 3
     a, b = first.heads[1], resumed.heads[1]

@@ -52,4 +52,8 @@ trainer.fit(module, data)
 weights = {n: t.clone() for n, t in iter_hf_weights(module.policy)}  # a collective: every rank
 sharded = all(hasattr(p, "full_tensor") for p in module.policy.parameters())
 torch.save({"weights": weights, "sharded": sharded, "seen": seen}, f"{out}.rank{trainer.global_rank}")
-os._exit(0) if trainer.global_rank else None
+trainer.strategy.barrier()
+# Skip interpreter teardown on every rank: gloo's threads can abort it after the work is done.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
