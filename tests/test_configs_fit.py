@@ -15,8 +15,9 @@ CPU_CONFIGS = sorted(p for p in glob.glob(str(ROOT / "configs" / "*.yaml")) if "
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: Path(p).name)
-def test_cpu_config_runs_one_fast_dev_run_step(config):
-    out = run_cli("fit", "--config", config, "--trainer.fast_dev_run=1")
+def test_cpu_config_runs_one_fast_dev_run_step(config, tmp_path):
+    out = run_cli("fit", "--config", config, "--trainer.fast_dev_run=1",
+                  f"--trainer.default_root_dir={tmp_path}")  # Lightning still saves last.ckpt
     assert out.returncode == 0, out.stderr[-4000:]
     assert "fast_dev_run" in out.stdout + out.stderr
 
