@@ -155,7 +155,7 @@ class ComposerModule(L.LightningModule):
         if "entropy" in needs or self.entropy_coef > 0:
             provided["entropy"] = entropy_from_logits(logits, self.temperature)
         if needs & _TEACHER:
-            provided.update(self._teacher_outputs(mb, logits))
+            provided.update(self._teacher_outputs(mb, logits, needs))
         if "ref_logprobs" in needs:
             with torch.no_grad():
                 provided["ref_logprobs"] = self._logprobs(self.reference, mb.input_ids, mb.attention_mask)
@@ -171,22 +171,31 @@ class ComposerModule(L.LightningModule):
         )
 
     @torch.no_grad()
-    def _teacher_outputs(self, mb: RolloutBatch, student_logits: Tensor) -> dict[str, object]:
-        """ONE teacher forward on the hinted contexts, gathered into the student layout."""
+    def _teacher_outputs(self, mb: RolloutBatch, student_logits: Tensor, needs: set[str]
+                         ) -> dict[str, object]:
+        """ONE teacher forward on the hinted contexts, mapped into the student layout.
+
+        Teacher log-probs are taken on the teacher's own sequence, then picked at each student
+        token's teacher position; the `[B, T, V]` logits are gathered only when a head reads them.
+        """
         B, T = mb.input_ids.shape
         if mb.teacher_input_ids is None:
-            return {"teacher_aligned": torch.zeros(B, dtype=torch.bool, device=self.device),
-                    "teacher_logprobs": torch.zeros(B, T, device=self.device),
-                    "teacher_logits": torch.zeros_like(student_logits)}
+            out: dict[str, object] = {"teacher_aligned": torch.zeros(B, dtype=torch.bool, device=self.device),
+                                      "teacher_logprobs": torch.zeros(B, T, device=self.device)}
+            if "teacher_logits" in needs:
+                out["teacher_logits"] = torch.zeros_like(student_logits)
+            return out
         model = self.teacher if self.teacher is not None else self.policy
         t_logits = forward_logits(model, mb.teacher_input_ids, mb.teacher_attention_mask)  # [B, T', V]
         required = (mb.response_mask & mb.has_teacher.unsqueeze(1)) | mb.sdpo_mask
         aligned = teacher_alignment(mb.input_ids, mb.teacher_input_ids, mb.teacher_positions, required)
-        gathered = gather_teacher_logits(t_logits, mb.teacher_positions)  # [B, T, V]
-        lp = torch.log_softmax(gathered / self.temperature, dim=-1)
-        lp = lp.gather(-1, mb.input_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
+        t_lp = logprobs_from_logits(t_logits, mb.teacher_input_ids, self.temperature)  # [B, T']
+        lp = t_lp.gather(1, mb.teacher_positions.clamp(min=0))  # [B, T]
         lp = torch.where(mb.teacher_positions >= 1, lp, torch.zeros_like(lp))
-        return {"teacher_aligned": aligned, "teacher_logprobs": lp, "teacher_logits": gathered}
+        out = {"teacher_aligned": aligned, "teacher_logprobs": lp}
+        if "teacher_logits" in needs:
+            out["teacher_logits"] = gather_teacher_logits(t_logits, mb.teacher_positions)  # [B, T, V]
+        return out
 
     # ----------------------------------------------------------------- objective
     def _objective(self, mb: RolloutBatch, ctx: StepContext, weights: dict[str, float]

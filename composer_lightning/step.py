@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from composer_lightning.functional import masked_aggregate
+from composer_lightning.functional import masked_aggregate, sequence_logprobs
 
 
 def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -106,7 +106,7 @@ class StepContext:
         """`[N]` summed policy log-probs of the response tokens of other sequences (grad)."""
         if self._policy_forward is None:
             raise AttributeError("policy forward on other sequences needs 'sequence_logprobs' in requires")
-        return (self._policy_forward(input_ids, attention_mask) * response_mask).sum(-1)
+        return sequence_logprobs(self._policy_forward(input_ids, attention_mask), response_mask)
 
     def reference_sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor,
                                     response_mask: Tensor) -> Tensor:
@@ -114,4 +114,4 @@ class StepContext:
         if self._reference_forward is None:
             raise AttributeError("reference forward needs 'ref_logprobs' in requires and a reference model")
         with torch.no_grad():
-            return (self._reference_forward(input_ids, attention_mask) * response_mask).sum(-1)
+            return sequence_logprobs(self._reference_forward(input_ids, attention_mask), response_mask)
