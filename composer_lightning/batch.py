@@ -7,6 +7,7 @@ padded); `logprobs[b, t]` is the log-prob of token t given the tokens before it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -149,3 +150,14 @@ class RolloutBatch:
                 v = DPOPairs(**{k.name: getattr(v, k.name).to(device) for k in fields(v)})
             kwargs[f.name] = v
         return replace(self, **kwargs)
+
+
+def pad_rows(rows: list[Sequence[Any]], value: float = 0, dtype: torch.dtype = torch.long,
+             width: int | None = None) -> Tensor:
+    """Right-pad variable-length rows into a `[len(rows), width]` tensor (width: the longest)."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out

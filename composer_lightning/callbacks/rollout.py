@@ -16,7 +16,8 @@ import lightning as L
 import torch
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.chat import problem_messages, single_turn_teacher
+from composer_lightning.chat import TraceSample, problem_messages, single_turn_teacher
+from composer_lightning.datamodules.packing import pack_samples
 from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
 from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError, VerifierScore
@@ -94,6 +95,18 @@ class RolloutCallback(L.Callback):
         pl_module.log("reward", metrics["rollout/reward_mean"], on_step=True, prog_bar=True,
                       logger=False, batch_size=rollout.batch_size)
 
+    def _sample(self, tokenizer: Any, problem: dict[str, Any], prompt: list[int], c: Completion,
+                hint: str | None) -> TraceSample:
+        """One single-turn rollout as a tokenised sample, hinted teacher context included."""
+        ids = list(prompt) + list(c.token_ids)
+        response = [False] * len(prompt) + [True] * len(c.token_ids)
+        if hint is None:
+            return TraceSample(ids, response, None, [-1] * len(ids), [False] * len(ids), None)
+        teacher = single_turn_teacher(tokenizer, problem_messages(problem), c.token_ids, hint,
+                                      self.hint_role)
+        return TraceSample(ids, response, teacher.teacher_ids,
+                           teacher.positions(len(prompt), len(ids)), response, None)
+
     def build(self, batch: dict[str, Any], outs: list[list[Completion]], tokenizer: Any,
               max_tokens: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Score, hint, dispatch, and pack the surviving samples."""
@@ -115,16 +128,13 @@ class RolloutCallback(L.Callback):
         if not keep:
             raise ScoringError(f"no sample of rollout batch {batch['index']} has a usable score or "
                                "an accepted hint: every sample was dropped")
-        rows, teachers = [], []
-        for k in keep:
-            i, c = flat[k]
-            rows.append((prompts[i], c))
-            teachers.append(single_turn_teacher(tokenizer, problem_messages(problems[i]), c.token_ids,
-                                                hints[k], self.hint_role) if has_teacher[k] else None)
-        rollout = pack(rows, teachers, rewards=[scores[k] or 0.0 for k in keep],
-                       has_reward=[has_reward[k] for k in keep],
-                       group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
-                       pad_id=tokenizer.pad_token_id or 0, max_response_length=max_tokens)
+        samples = [self._sample(tokenizer, problems[flat[k][0]], prompts[flat[k][0]], flat[k][1],
+                                hints[k]) for k in keep]
+        rollout = pack_samples(samples, rewards=[scores[k] for k in keep],
+                               group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
+                               pad_id=tokenizer.pad_token_id or 0, max_response_length=max_tokens,
+                               engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs
+                                                for k in keep])
         lengths = [len(flat[k][1].token_ids) for k in range(len(flat))]
         rewarded = torch.tensor([scores[k] for k in range(len(flat)) if has_reward[k]], dtype=torch.float)
         metrics = {
@@ -143,39 +153,3 @@ class RolloutCallback(L.Callback):
                 provider.failures = 0
         return rollout, metrics
 
-
-def pack(rows: list[tuple[list[int], Completion]], teachers: list[Any], *, rewards: list[float],
-         has_reward: list[bool], group_ids: list[int], pad_id: int, max_response_length: int
-         ) -> RolloutBatch:
-    """Right-padded `RolloutBatch` of prompt ⊕ response rows, with hinted teacher contexts."""
-    B = len(rows)
-    T = max(len(p) + len(c.token_ids) for p, c in rows)
-    Tt = max([len(t.teacher_ids) for t in teachers if t is not None], default=1)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    resp = torch.zeros(B, T, dtype=torch.bool)
-    engine_lp = torch.zeros(B, T)
-    t_ids = torch.full((B, Tt), pad_id, dtype=torch.long)
-    t_attn = torch.zeros(B, Tt, dtype=torch.long)
-    t_pos = torch.full((B, T), -1, dtype=torch.long)
-    for b, ((prompt, c), teacher) in enumerate(zip(rows, teachers, strict=True)):
-        P, R = len(prompt), len(c.token_ids)
-        ids[b, : P + R] = torch.tensor(prompt + list(c.token_ids))
-        attn[b, : P + R] = 1
-        resp[b, P : P + R] = True
-        engine_lp[b, P : P + R] = torch.tensor(c.logprobs, dtype=torch.float)
-        if teacher is not None:
-            t_ids[b, : len(teacher.teacher_ids)] = torch.tensor(teacher.teacher_ids)
-            t_attn[b, : len(teacher.teacher_ids)] = 1
-            t_pos[b] = torch.tensor(teacher.positions(P, P + R) + [-1] * (T - P - R))
-        else:
-            t_attn[b, 0] = 1  # no fully masked rows in the shared teacher forward
-    has_teacher = torch.tensor([t is not None for t in teachers])
-    return RolloutBatch(
-        input_ids=ids, attention_mask=attn, response_mask=resp,
-        rewards=torch.tensor(rewards, dtype=torch.float), has_reward=torch.tensor(has_reward),
-        group_ids=torch.tensor(group_ids), max_response_length=max_response_length,
-        engine_logprobs=engine_lp, has_teacher=has_teacher,
-        teacher_input_ids=t_ids, teacher_attention_mask=t_attn, teacher_positions=t_pos,
-        sdpo_mask=resp & has_teacher.unsqueeze(1),
-    )

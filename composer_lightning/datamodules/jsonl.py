@@ -1,9 +1,12 @@
-"""Reading JSONL inputs with errors that name the file and line."""
+"""File inputs: reading JSONL with errors that name the file and line, and the shuffled
+endless order in which a datamodule walks the lines."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -39,3 +42,17 @@ def read_jsonl(path: str, kind: str, check: Callable[[dict[str, Any]], str | Non
     if not out:
         raise ValueError(f"{kind} file {path!r} holds no {kind}s")
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(f"{seed}/epoch{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def stream_positions(start: int, stop: int, n: int, seed: int) -> list[int]:
+    """Line indices at positions `start..stop-1` of an endless stream over `n` lines, each pass
+    a fresh seeded permutation: a pure function of the position, so a resumed stream continues
+    exactly where it stopped."""
+    return [_epoch_order(n, seed, k // n)[k % n] for k in range(start, stop)]

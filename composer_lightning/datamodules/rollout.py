@@ -18,7 +18,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.chat import problem_messages, tokenize_prompt
-from composer_lightning.datamodules.jsonl import read_jsonl
+from composer_lightning.datamodules.jsonl import read_jsonl, stream_positions
 from composer_lightning.tasks import Task, get_task
 
 
@@ -96,13 +96,10 @@ class RolloutDataModule(L.LightningDataModule):
         if self.file_problems is None:
             rng = random.Random(f"{self.seed}/{index}/{rank}")
             return [self.task.sample(rng) for _ in range(P)]
-        n = len(self.file_problems)
+        start = index * P * world + rank * P
         out = []
-        for k in range(index * P * world + rank * P, index * P * world + (rank + 1) * P):
-            epoch, pos = divmod(k, n)
-            order = list(range(n))
-            random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
-            problem = dict(self.file_problems[order[pos]])
+        for i in stream_positions(start, start + P, len(self.file_problems), self.seed):
+            problem = dict(self.file_problems[i])
             if "task" not in problem and self.task_name is not None:
                 problem["task"] = self.task_name
             out.append(problem)

@@ -16,17 +16,16 @@ policy, so they train SDPO / OPD / reward heads off-policy.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
-import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.chat import TraceSample, multi_turn_sample
-from composer_lightning.datamodules.jsonl import read_jsonl
+from composer_lightning.chat import multi_turn_sample
+from composer_lightning.datamodules.jsonl import read_jsonl, stream_positions
+from composer_lightning.datamodules.packing import pack_samples
 
 
 def _trace_problem(obj: dict[str, Any]) -> str | None:
@@ -42,38 +41,6 @@ def _trace_problem(obj: dict[str, Any]) -> str | None:
 def read_traces(path: str) -> list[dict[str, Any]]:
     """Trace records from a JSONL file; a malformed line is an error naming file and line."""
     return read_jsonl(path, "trace", _trace_problem)
-
-
-def pack_traces(samples: list[TraceSample], rewards: list[float | None], ids: list[int],
-                pad_id: int, max_response_length: int) -> RolloutBatch:
-    """Right-padded `RolloutBatch` of tokenised traces."""
-    B = len(samples)
-    T = max(len(s.student_ids) for s in samples)
-    Tt = max([len(s.teacher_ids) for s in samples if s.teacher_ids is not None], default=1)
-    batch = {
-        "input_ids": torch.full((B, T), pad_id), "attention_mask": torch.zeros(B, T, dtype=torch.long),
-        "response_mask": torch.zeros(B, T, dtype=torch.bool), "sdpo_mask": torch.zeros(B, T, dtype=torch.bool),
-        "teacher_positions": torch.full((B, T), -1), "teacher_input_ids": torch.full((B, Tt), pad_id),
-        "teacher_attention_mask": torch.zeros(B, Tt, dtype=torch.long),
-    }
-    for b, s in enumerate(samples):
-        n = len(s.student_ids)
-        batch["input_ids"][b, :n] = torch.tensor(s.student_ids)
-        batch["attention_mask"][b, :n] = 1
-        batch["response_mask"][b, :n] = torch.tensor(s.response_mask)
-        batch["sdpo_mask"][b, :n] = torch.tensor(s.sdpo_mask)
-        batch["teacher_positions"][b, :n] = torch.tensor(s.teacher_positions)
-        if s.teacher_ids is not None:
-            batch["teacher_input_ids"][b, : len(s.teacher_ids)] = torch.tensor(s.teacher_ids)
-            batch["teacher_attention_mask"][b, : len(s.teacher_ids)] = 1
-        else:
-            batch["teacher_attention_mask"][b, 0] = 1
-    return RolloutBatch(
-        **batch, rewards=torch.tensor([r or 0.0 for r in rewards], dtype=torch.float),
-        has_reward=torch.tensor([r is not None for r in rewards]), group_ids=torch.tensor(ids),
-        has_teacher=torch.tensor([s.has_teacher for s in samples]),
-        max_response_length=max_response_length,
-    )
 
 
 class _TraceStream(IterableDataset):
@@ -121,16 +88,11 @@ class TraceDataModule(L.LightningDataModule):
         self.consumed = 0
 
     def batch(self, index: int) -> RolloutBatch:
-        n = len(self.samples)
-        picks = []
-        for k in range(index * self.batch_size, (index + 1) * self.batch_size):
-            epoch, pos = divmod(k, n)
-            order = list(range(n))
-            random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
-            picks.append(order[pos])
-        rollout = pack_traces([self.samples[i] for i in picks], [self.rewards[i] for i in picks],
-                              ids=list(range(len(picks))), pad_id=self.tokenizer.pad_token_id or 0,
-                              max_response_length=self.max_response_length)
+        start = index * self.batch_size
+        picks = stream_positions(start, start + self.batch_size, len(self.samples), self.seed)
+        rollout = pack_samples([self.samples[i] for i in picks], rewards=[self.rewards[i] for i in picks],
+                               group_ids=list(range(len(picks))), pad_id=self.tokenizer.pad_token_id or 0,
+                               max_response_length=self.max_response_length)
         rollout.extras["index"] = index
         return rollout
 

@@ -14,18 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_lightning.batch import RolloutBatch
-from composer_lightning.functional import dpo_loss, dpo_rewards
+from composer_lightning.batch import RolloutBatch, pad_rows
+from composer_lightning.functional import dpo_loss, dpo_rewards, sequence_logprobs
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import Schedule
 from composer_lightning.step import StepContext
-
-
-def _pad(rows: list[Tensor], value: int = 0) -> Tensor:
-    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=rows[0].dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
 
 
 class ReplayDPOHead(Head):
@@ -65,12 +58,13 @@ class ReplayDPOHead(Head):
         self.buffer.append(pair)
         del self.buffer[: max(0, len(self.buffer) - self.capacity)]
 
-    def _row(self, batch: RolloutBatch, old_logprobs: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        keep = batch.attention_mask[i].bool()
-        resp = batch.response_mask[i][keep]
-        return batch.input_ids[i][keep].cpu(), resp.cpu(), (old_logprobs[i][keep] * resp).sum().cpu()
-
     def on_rollout(self, batch: RolloutBatch, old_logprobs: Tensor) -> None:
+        ref = sequence_logprobs(old_logprobs, batch.response_mask)  # [B], the record-time reference
+
+        def row(i: int) -> tuple[Tensor, Tensor, Tensor]:
+            keep = batch.attention_mask[i].bool()
+            return batch.input_ids[i][keep].cpu(), batch.response_mask[i][keep].cpu(), ref[i].cpu()
+
         for g in torch.unique(batch.group_ids):
             idx = torch.nonzero((batch.group_ids == g) & batch.has_reward).flatten()
             if len(idx) < 2:
@@ -79,8 +73,7 @@ class ReplayDPOHead(Head):
             if r.max() == r.min():
                 continue
             c, rj = int(idx[r.argmax()]), int(idx[r.argmin()])
-            (c_ids, c_resp, c_ref), (r_ids, r_resp, r_ref) = (self._row(batch, old_logprobs, c),
-                                                              self._row(batch, old_logprobs, rj))
+            (c_ids, c_resp, c_ref), (r_ids, r_resp, r_ref) = row(c), row(rj)
             self._add({"chosen": c_ids, "chosen_resp": c_resp, "ref_chosen": c_ref,
                        "rejected": r_ids, "rejected_resp": r_resp, "ref_rejected": r_ref})
         if batch.dpo_pairs is not None:
@@ -103,9 +96,9 @@ class ReplayDPOHead(Head):
         seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
         resp = [p["chosen_resp"] for p in pairs] + [p["rejected_resp"] for p in pairs]
         device = ctx.logprobs.device
-        ids = _pad(seqs).to(device)
-        attn = _pad([torch.ones_like(s) for s in seqs]).to(device)
-        resp_mask = _pad([r.long() for r in resp]).to(device).to(ctx.logprobs.dtype)
+        ids = pad_rows(seqs).to(device)
+        attn = pad_rows([torch.ones_like(s) for s in seqs]).to(device)
+        resp_mask = pad_rows(resp, dtype=torch.bool).to(device)
         seq_lp = ctx.policy_sequence_logprobs(ids, attn, resp_mask)  # [2k]
         if self.reference == "model":
             ref = ctx.reference_sequence_logprobs(ids, attn, resp_mask)
