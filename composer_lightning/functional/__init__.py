@@ -4,7 +4,11 @@ Heads are thin adapters over these functions; see DESIGN.md for the conventions.
 """
 
 from .advantages import dr_grpo_advantages, opd_advantages
-from .chunked import chunked_entropy_from_hidden, chunked_logprobs_from_hidden
+from .chunked import (
+    chunked_entropy_from_hidden,
+    chunked_generalized_jsd,
+    chunked_logprobs_from_hidden,
+)
 from .dpo import dpo_loss, dpo_rewards
 from .jsd import generalized_jsd, generalized_jsd_per_token
 from .kl import kl_penalty
@@ -13,6 +17,7 @@ from .policy import masked_aggregate, policy_loss
 
 __all__ = [
     "chunked_entropy_from_hidden",
+    "chunked_generalized_jsd",
     "chunked_logprobs_from_hidden",
     "dpo_loss",
     "dpo_rewards",

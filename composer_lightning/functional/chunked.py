@@ -1,15 +1,19 @@
-"""Log-probs and entropies from hidden states and the LM head, in checkpointed token chunks.
+"""Log-probs, entropies and the generalised JSD from hidden states, in checkpointed chunks.
 
 For large vocabularies the `[B, T, V]` logits dominate memory. These functions compute the same
-values as `logprobs_from_logits(hidden @ lm_head_weight.T)` and `entropy_from_logits(...)`, one
-chunk of tokens at a time under `torch.utils.checkpoint`: only the `[chunk, V]` logits of one
-chunk are alive at once, in the forward and again (recomputed) in the backward, so peak memory
-grows with `chunk_size`, not with T x V. (The same trick as Liger-Kernel's fused linear
-cross-entropy, without the fused kernel.) An LM head with a bias is not supported.
+values as `logprobs_from_logits(hidden @ lm_head_weight.T)`, `entropy_from_logits(...)` and
+`generalized_jsd_per_token(student_hidden @ student_weight.T, teacher_hidden @
+teacher_weight.T)`, one chunk of tokens at a time under `torch.utils.checkpoint`: only the
+`[chunk, V]` logits of one chunk are alive at once, in the forward and again (recomputed) in the
+backward, so peak memory grows with `chunk_size`, not with T x V. (The same trick as
+Liger-Kernel's fused linear cross-entropy and fused linear JSD, without the fused kernels: the
+price is one extra LM-head matmul per chunk in the backward.) An LM head with a bias is not
+supported.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -17,8 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ._checks import check_ndim, check_range, shape_str
-from .logprobs import check_logits_and_ids, upcast
+from ._checks import as_bool_mask, check_ndim, check_range, shape_str
+from .jsd import check_jsd_options, generalized_jsd_per_token
+from .logprobs import check_logits_and_ids, scaled_logits, upcast
 
 
 def _chunk_logprobs(
@@ -27,7 +32,7 @@ def _chunk_logprobs(
     targets: Tensor,  # [n] long
     temperature: float,
 ) -> Tensor:  # [n]
-    x = upcast(hidden @ weight.T) / temperature  # [n, V]
+    x = scaled_logits(hidden @ weight.T, temperature)  # [n, V]
     return x.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
@@ -37,8 +42,17 @@ def _chunk_entropy(
     targets: Tensor,  # [n], unused
     temperature: float,
 ) -> Tensor:  # [n]
-    lp = torch.log_softmax(upcast(hidden @ weight.T) / temperature, dim=-1)  # [n, V]
+    lp = torch.log_softmax(scaled_logits(hidden @ weight.T, temperature), dim=-1)  # [n, V]
     return -(lp.exp() * lp).sum(dim=-1)
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    try:  # operator.index accepts Python and NumPy integers, rejects 2.0 and "2"
+        ok = operator.index(chunk_size) >= 1 and not isinstance(chunk_size, bool)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
 
 
 def _chunked(
@@ -48,18 +62,25 @@ def _chunked(
     input_ids: Tensor,  # [B, T]
     temperature: float,
     chunk_size: int,
+    mask: Tensor | None,  # [B, T] bool or 0/1 float; None = every token
 ) -> Tensor:  # [B, T]
     check_range("temperature", temperature, 0.0)
-    if int(chunk_size) != chunk_size or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     check_ndim("lm_head_weight", weight, (2,))
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"lm_head_weight {shape_str(weight)} must be [V, H] for hidden {shape_str(hidden)}"
         )
     b, t, h = hidden.shape
-    flat_hidden = hidden[:, :-1].reshape(-1, h)  # [B*(T-1), H]; position t-1 predicts token t
-    flat_targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
+    if mask is not None and tuple(mask.shape) != (b, t):
+        raise ValueError(f"mask {shape_str(mask)} must be [B, T] = {[b, t]} like hidden")
+    out_dtype = upcast(hidden[:0]).dtype
+    if t <= 1 or b == 0:  # nothing is predicted
+        return torch.zeros(b, t, dtype=out_dtype, device=hidden.device)
+    # position t-1 predicts token t; only the selected tokens reach the LM head
+    sel = None if mask is None else as_bool_mask(mask)[:, 1:]  # [B, T-1]
+    flat_hidden = hidden[:, :-1].reshape(-1, h) if sel is None else hidden[:, :-1][sel]  # [N, H]
+    flat_targets = input_ids[:, 1:].reshape(-1) if sel is None else input_ids[:, 1:][sel]  # [N]
     pieces = [
         checkpoint(
             fn,
@@ -69,11 +90,14 @@ def _chunked(
             temperature,
             use_reentrant=False,
         )
-        for i in range(0, flat_hidden.shape[0], chunk_size)
+        # max(N, 1): with nothing selected one empty chunk still runs, so the result is attached
+        for i in range(0, max(flat_hidden.shape[0], 1), chunk_size)
     ]
-    if not pieces:  # T <= 1 or B == 0: nothing is predicted
-        return torch.zeros(b, t, dtype=upcast(hidden[:0]).dtype, device=hidden.device)
-    return F.pad(torch.cat(pieces).view(b, t - 1), (1, 0))
+    values = torch.cat(pieces)  # [N]
+    if sel is None:
+        return F.pad(values.view(b, t - 1), (1, 0))
+    zeros = torch.zeros(b, t - 1, dtype=values.dtype, device=values.device)
+    return F.pad(zeros.masked_scatter(sel, values), (1, 0))
 
 
 def chunked_logprobs_from_hidden(
@@ -82,6 +106,7 @@ def chunked_logprobs_from_hidden(
     input_ids: Tensor,  # [B, T] long
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    mask: Tensor | None = None,  # [B, T] bool or 0/1 float
 ) -> Tensor:  # [B, T]
     """`logprobs_from_logits(hidden @ lm_head_weight.T, input_ids, temperature)`, chunked.
 
@@ -91,12 +116,15 @@ def chunked_logprobs_from_hidden(
         input_ids: The token sequence.
         temperature: Sampling temperature, > 0.
         chunk_size: Tokens (over B x T) per checkpointed chunk.
+        mask: The tokens to compute (e.g. the response tokens); the others are 0 and cost no
+            LM-head work. None computes every token.
 
     Returns:
         Per-token log-probs, column 0 = 0.
     """
     check_logits_and_ids(hidden, input_ids, "hidden")
-    return _chunked(_chunk_logprobs, hidden, lm_head_weight, input_ids, temperature, chunk_size)
+    return _chunked(_chunk_logprobs, hidden, lm_head_weight, input_ids, temperature, chunk_size,
+                    mask)
 
 
 def chunked_entropy_from_hidden(
@@ -104,6 +132,7 @@ def chunked_entropy_from_hidden(
     lm_head_weight: Tensor,  # [V, H]
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    mask: Tensor | None = None,  # [B, T] bool or 0/1 float
 ) -> Tensor:  # [B, T]
     """`entropy_from_logits(hidden @ lm_head_weight.T, temperature)`, chunked.
 
@@ -112,10 +141,113 @@ def chunked_entropy_from_hidden(
         lm_head_weight: The LM head (or tied embedding) weight.
         temperature: Sampling temperature, > 0.
         chunk_size: Tokens (over B x T) per checkpointed chunk.
+        mask: The tokens to compute; the others are 0. None computes every token.
 
     Returns:
         Per-token entropies in nats, column 0 = 0.
     """
     check_ndim("hidden", hidden, (3,))
     dummy_ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-    return _chunked(_chunk_entropy, hidden, lm_head_weight, dummy_ids, temperature, chunk_size)
+    return _chunked(_chunk_entropy, hidden, lm_head_weight, dummy_ids, temperature, chunk_size,
+                    mask)
+
+
+def _chunk_jsd(
+    student_hidden: Tensor,  # [n, H]
+    student_weight: Tensor,  # [V, H]
+    teacher_hidden: Tensor,  # [n, H_T], detached
+    teacher_weight: Tensor,  # [V, H_T], detached
+    beta: float,
+    temperature: float,
+    clip: float | None,
+    clip_mode: str,
+) -> tuple[Tensor, Tensor]:  # [n], [n]
+    return generalized_jsd_per_token(
+        student_hidden @ student_weight.T,  # [n, V]
+        teacher_hidden @ teacher_weight.T,  # [n, V]; no grad, so autograd saves nothing of it
+        beta=beta,
+        temperature=temperature,
+        clip=clip,
+        clip_mode=clip_mode,
+    )
+
+
+def chunked_generalized_jsd(
+    student_hidden: Tensor,  # [N, H] hidden states predicting the supervised tokens
+    student_weight: Tensor,  # [V, H] the student's LM head
+    teacher_hidden: Tensor,  # [N, H_T] the teacher's hidden states at the same tokens
+    teacher_weight: Tensor,  # [V, H_T] the teacher's LM head
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    clip: float | None = None,
+    clip_mode: str = "element",
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor]:  # [N], [N]
+    """The generalised JSD between two LM heads' distributions, in checkpointed row chunks.
+
+    Equal, in value and in gradient, to `generalized_jsd_per_token(student_hidden @
+    student_weight.T, teacher_hidden @ teacher_weight.T, ...)` (see there for the definition),
+    without ever holding more than `chunk_size` rows of `[N, V]` logits.
+
+    Args:
+        student_hidden: Student hidden states (with grad), one row per supervised token.
+        student_weight: Student LM head (or tied embedding) weight; may require grad.
+        teacher_hidden: Teacher hidden states at the same tokens; detached here.
+        teacher_weight: Teacher LM head weight; detached here. Its hidden size may differ from
+            the student's; its vocabulary may not.
+        beta: Interpolation in [0, 1]; 0 = KL(p_T || p_S), 1 = KL(p_S || p_T).
+        temperature: Softmax temperature, > 0.
+        clip: Cap (> 0), or None for none.
+        clip_mode: `"element"` or `"token"`.
+        chunk_size: Rows per checkpointed chunk.
+
+    Returns:
+        `(per_token, capped_fraction)` as `generalized_jsd_per_token` returns them; the second
+        is detached. Both are float32 for half-precision inputs, and empty (still attached to
+        the graph) for N = 0.
+    """
+    check_jsd_options(beta, temperature, clip, clip_mode)
+    _check_chunk_size(chunk_size)
+    named = [
+        ("student_hidden", student_hidden),
+        ("student_weight", student_weight),
+        ("teacher_hidden", teacher_hidden),
+        ("teacher_weight", teacher_weight),
+    ]
+    for name, t in named:
+        check_ndim(name, t, (2,))
+    for (h_name, h), (w_name, w) in (named[:2], named[2:]):
+        if w.shape[1] != h.shape[1]:
+            raise ValueError(f"{w_name} {shape_str(w)} must be [V, H] for {h_name} {shape_str(h)}")
+    if teacher_hidden.shape[0] != student_hidden.shape[0]:
+        raise ValueError(
+            f"student_hidden {shape_str(student_hidden)} and teacher_hidden "
+            f"{shape_str(teacher_hidden)} must have the same number of tokens"
+        )
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(
+            f"student_weight {shape_str(student_weight)} and teacher_weight "
+            f"{shape_str(teacher_weight)} must have the same vocabulary size"
+        )
+    teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
+    n = student_hidden.shape[0]
+    # max(n, 1): with N = 0 one empty chunk still runs, so the result hangs off the graph.
+    pieces = [
+        checkpoint(
+            _chunk_jsd,
+            student_hidden[i : i + chunk_size],
+            student_weight,
+            teacher_hidden[i : i + chunk_size],
+            teacher_weight,
+            beta,
+            temperature,
+            clip,
+            clip_mode,
+            use_reentrant=False,
+        )
+        for i in range(0, max(n, 1), chunk_size)
+    ]
+    per_token = torch.cat([p for p, _ in pieces])  # [N]
+    capped = torch.cat([c for _, c in pieces])  # [N]
+    return per_token, capped

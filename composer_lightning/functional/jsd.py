@@ -5,7 +5,10 @@ Learning from Self-Generated Mistakes", https://arxiv.org/abs/2306.13649) as imp
 TRL's `GKDTrainer.generalized_jsd_loss`: beta = 0 is KL(teacher || student), beta = 1 is
 KL(student || teacher), and the interior uses the mixture M = beta*p_T + (1-beta)*p_S. The end
 points are deliberately discontinuous with the interior (the interior tends to 0, not to a KL,
-as beta -> 0 or 1). Logits must be finite (an entry at -inf in both makes 0 * (-inf) = NaN).
+as beta -> 0 or 1). Logits may be -inf (a masked vocabulary): such an entry gets probability
+exactly 0 and contributes exactly 0 to the value and the gradient, unless the divergence is truly
+infinite there (student at -inf where the teacher has mass at beta = 0, or the converse at
+beta = 1), where the value is huge but finite.
 """
 
 from __future__ import annotations
@@ -23,9 +26,18 @@ from ._checks import (
     check_same_shape,
     shape_str,
 )
-from .logprobs import upcast
+from .logprobs import scaled_logits, upcast
 
 CLIP_MODES = ("element", "token")
+
+
+def check_jsd_options(beta: float, temperature: float, clip: float | None, clip_mode: str) -> None:
+    """Validate the scalar options of `generalized_jsd_per_token` (shared with `chunked.py`)."""
+    check_range("beta", beta, 0.0, 1.0, low_closed=True, high_closed=True)
+    check_range("temperature", temperature, 0.0)
+    if clip is not None:
+        check_range("clip", clip, 0.0)
+    check_choice("clip_mode", clip_mode, CLIP_MODES)
 
 
 def generalized_jsd_per_token(
@@ -62,11 +74,7 @@ def generalized_jsd_per_token(
         of vocabulary entries capped (`element`) or 1.0 where the token's sum was capped
         (`token`); both 0 off the mask. Half-precision logits are computed in float32.
     """
-    check_range("beta", beta, 0.0, 1.0, low_closed=True, high_closed=True)
-    check_range("temperature", temperature, 0.0)
-    if clip is not None:
-        check_range("clip", clip, 0.0)
-    check_choice("clip_mode", clip_mode, CLIP_MODES)
+    check_jsd_options(beta, temperature, clip, clip_mode)
     check_ndim("student_logits", student_logits, (2, 3))
     check_same_shape(("student_logits", student_logits), ("teacher_logits", teacher_logits))
     s, t = upcast(student_logits), upcast(teacher_logits)
@@ -82,8 +90,8 @@ def generalized_jsd_per_token(
         s = torch.where(m[..., None], s, zero)
         t = torch.where(m[..., None], t, zero)
 
-    log_ps = torch.log_softmax(s / temperature, dim=-1)  # [..., V]
-    log_pt = torch.log_softmax(t / temperature, dim=-1)  # [..., V]
+    log_ps = torch.log_softmax(scaled_logits(s, temperature), dim=-1)  # [..., V]
+    log_pt = torch.log_softmax(scaled_logits(t, temperature), dim=-1)  # [..., V]
     if beta == 0.0:
         terms = log_pt.exp() * (log_pt - log_ps)
     elif beta == 1.0:

@@ -1,7 +1,9 @@
 """Per-token log-probs and entropies from full logits (the reference for `chunked.py`).
 
 Alignment follows the `RolloutBatch` contract: column t describes token t given tokens < t, so
-it comes from the logits at position t - 1; column 0 has no predictor and is 0.
+it comes from the logits at position t - 1; column 0 has no predictor and is 0. Logits may be
+-inf (a masked vocabulary): `scaled_logits` raises them to a finite floor, so the masked entries
+get probability exactly 0 and both values and gradients stay finite.
 """
 
 from __future__ import annotations
@@ -16,6 +18,48 @@ from ._checks import as_bool_mask, check_ndim, check_range, check_same_shape, sh
 def upcast(x: Tensor) -> Tensor:
     """float16/bfloat16 to float32 (softmax statistics in half precision are too coarse)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class _FloorNegInf(torch.autograd.Function):
+    """Raise -inf to `torch.finfo(dtype).min / 4`; the gradient passes through unchanged.
+
+    A plain `x.clamp(min=...)` would save its input for the backward: one more `[B, T, V]`
+    float32 tensor held until the backward, per call; this saves nothing. (In place with
+    `mark_dirty` would also spare the transient copy, but breaks `torch.compile` graphs.) The
+    floored entries get probability exactly 0, so everything downstream sends them a gradient
+    of exactly 0 anyway (unless a floored entry is itself the gathered target, whose log-prob
+    is then a huge finite negative).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        # /4 leaves room for the log-sum-exp subtraction in log_softmax without overflow.
+        return x.clamp(min=torch.finfo(x.dtype).min / 4)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def scaled_logits(
+    logits: Tensor,  # [..., V]
+    temperature: float,
+) -> Tensor:  # [..., V]
+    """`upcast(logits) / temperature` with -inf raised to a large finite negative.
+
+    With -inf left in, a fully masked entry gives `0 * (-inf) = NaN` in an entropy or KL term
+    and `logaddexp(-inf, -inf)` a NaN gradient. The floor is applied after the temperature
+    (a floor before it would overflow back to -inf for temperature < 1/4); finite logits pass
+    through bit-identically, values and gradients.
+
+    Args:
+        logits: Logits, any float dtype.
+        temperature: Softmax temperature, > 0 (checked by the caller).
+
+    Returns:
+        The scaled logits, float32 for half-precision input.
+    """
+    return _FloorNegInf.apply(upcast(logits) / temperature)
 
 
 def check_logits_and_ids(logits: Tensor, input_ids: Tensor, logits_name: str = "logits") -> None:
@@ -50,7 +94,7 @@ def logprobs_from_logits(
     """
     check_range("temperature", temperature, 0.0)
     check_logits_and_ids(logits, input_ids)
-    x = upcast(logits[:, :-1]) / temperature  # [B, T-1, V]
+    x = scaled_logits(logits[:, :-1], temperature)  # [B, T-1, V]
     # x[id] - logsumexp(x) avoids materialising a second [B, T, V] log_softmax tensor.
     lp = x.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
     return F.pad(lp, (1, 0))
@@ -73,7 +117,7 @@ def entropy_from_logits(
     """
     check_range("temperature", temperature, 0.0)
     check_ndim("logits", logits, (3,))
-    lp = torch.log_softmax(upcast(logits[:, :-1]) / temperature, dim=-1)  # [B, T-1, V]
+    lp = torch.log_softmax(scaled_logits(logits[:, :-1], temperature), dim=-1)  # [B, T-1, V]
     return F.pad(-(lp.exp() * lp).sum(dim=-1), (1, 0))
 
 

@@ -85,6 +85,11 @@ def policy_loss(
     `min(l, -c*A)` (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl
     `compute_policy_loss`). The per-token losses are reduced by `masked_aggregate`.
 
+    The log-ratio is clamped to [-20, 20] before the exp, as verl's `compute_policy_loss`
+    (`verl/trainer/ppo/core_algos.py`: `negative_approx_kl = torch.clamp(log_prob -
+    old_log_prob, min=-20.0, max=20.0)`), so a stale or corrupt `old_logprobs` cannot overflow
+    the ratio to inf; a clamped token passes no gradient through the ratio.
+
     Args:
         logprobs: Log-probs of the sampled tokens under the current policy.
         old_logprobs: Log-probs under the policy that generated them.
@@ -120,7 +125,7 @@ def policy_loss(
     old = torch.where(m, old_logprobs, zero)
     adv = torch.where(m, advantages, zero)
 
-    ratio = torch.exp(lp - old)  # [B, T]
+    ratio = torch.exp(torch.clamp(lp - old, min=-20.0, max=20.0))  # [B, T]
     unclipped = -ratio * adv
     clipped = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = torch.maximum(unclipped, clipped)  # [B, T]

@@ -15,17 +15,22 @@ def softmax(xs, tau):
     return [v / sum(e) for v in e]
 
 
+def plogq(p, q):
+    """p * log(p / q), with 0 log 0 = 0 (an entry at -inf has p = 0)."""
+    return 0.0 if p == 0 else p * math.log(p / q)
+
+
 def ref_terms(s, t, beta, tau):
     """Per-vocabulary-entry terms of the divergence for one token (plain Python)."""
     ps, pt = softmax(s, tau), softmax(t, tau)
     if beta == 0:
-        return [b * math.log(b / a) for a, b in zip(ps, pt, strict=True)]
+        return [plogq(b, a) for a, b in zip(ps, pt, strict=True)]
     if beta == 1:
-        return [a * math.log(a / b) for a, b in zip(ps, pt, strict=True)]
+        return [plogq(a, b) for a, b in zip(ps, pt, strict=True)]
     out = []
     for a, b in zip(ps, pt, strict=True):
         m = beta * b + (1 - beta) * a
-        out.append(beta * b * math.log(b / m) + (1 - beta) * a * math.log(a / m))
+        out.append(beta * plogq(b, m) + (1 - beta) * plogq(a, m))
     return out
 
 
@@ -143,6 +148,60 @@ def test_masked_positions_zero_gradient_nan_does_not_leak():
     assert torch.isfinite(s.grad).all()
     assert (s.grad[0, 1] == 0).all() and (s.grad[1, 0] == 0).all()
     assert (s.grad[0, 0] != 0).any()
+
+
+MASKED = [1, 4, 5]  # vocabulary entries at -inf
+KEPT = [0, 2, 3, 6]
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+@pytest.mark.parametrize(("clip", "mode"), CLIPS)
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_vocabulary_masked_in_both_equals_the_vocabulary_without_it(beta, clip, mode, tau):
+    """Entries at -inf in both distributions change nothing: the values (and the gradient on
+    the other entries) are those of the reduced vocabulary, the masked entries get exactly 0."""
+    s, t = logits(12, (2, 3, 7)), logits(13, (2, 3, 7))
+    s[..., MASKED], t[..., MASKED] = -math.inf, -math.inf
+    s.requires_grad_(True)
+    s_kept = s.detach()[..., KEPT].requires_grad_(True)
+    kw = {"beta": beta, "temperature": tau, "clip": clip, "clip_mode": mode}
+    got, got_capped = generalized_jsd_per_token(s, t, **kw)
+    want, want_capped = generalized_jsd_per_token(s_kept, t[..., KEPT], **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    # element mode: the fraction counts the masked entries (never capped) in its denominator
+    scale = len(KEPT) / 7 if clip is not None and mode == "element" else 1.0
+    torch.testing.assert_close(got_capped, want_capped * scale, rtol=0, atol=1e-15)
+    got.sum().backward()
+    want.sum().backward()
+    assert torch.isfinite(s.grad).all() and (s.grad[..., MASKED] == 0).all()
+    torch.testing.assert_close(s.grad[..., KEPT], s_kept.grad, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(("clip", "mode"), CLIPS)
+@pytest.mark.parametrize("beta", [0.3, 0.5, 1.0])
+def test_vocabulary_masked_in_the_student_only(beta, clip, mode):
+    """p_S = 0 where the teacher has mass: finite for beta > 0 (the loop reference with
+    0 log 0 = 0); the masked entries get exactly zero gradient, the others the right one."""
+    s, t = logits(14, (2, 3, 7)), logits(15, (2, 3, 7))
+    s[..., MASKED] = -math.inf
+    s.requires_grad_(True)
+    per_token, capped = generalized_jsd_per_token(
+        s, t, beta=beta, temperature=0.8, clip=clip, clip_mode=mode
+    )
+    for b in range(2):
+        for i in range(3):
+            want, frac = ref_token(s[b, i].tolist(), t[b, i].tolist(), beta, 0.8, clip, mode)
+            assert abs(per_token[b, i].item() - want) < 1e-10
+            assert capped[b, i].item() == frac
+    per_token.sum().backward()
+    assert torch.isfinite(s.grad).all() and (s.grad[..., MASKED] == 0).all()
+    if clip is None:  # (a cap may hide every token's gradient)
+
+        def on_kept(x):
+            full = s.detach().index_copy(-1, torch.tensor(KEPT), x)
+            return generalized_jsd(full, t, beta=beta, temperature=0.8)
+
+        assert torch.autograd.gradcheck(on_kept, (s.detach()[..., KEPT].requires_grad_(True),))
 
 
 def test_two_dim_input_and_empty_mask():

@@ -1,4 +1,4 @@
-"""Shifted log-probs / entropies against per-position loops; chunked versions against full."""
+"""Shifted log-probs / entropies against per-position loops and a reduced vocabulary."""
 
 import math
 
@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from composer_lightning.functional import (
-    chunked_entropy_from_hidden,
-    chunked_logprobs_from_hidden,
     entropy_from_logits,
     logprobs_from_logits,
     sequence_logprobs,
 )
+from composer_lightning.functional.logprobs import scaled_logits, upcast
 
 
 def log_softmax(xs, tau):
@@ -46,6 +45,43 @@ def test_half_precision_is_upcast_and_single_token():
     assert logprobs_from_logits(logits[:, :1], ids[:, :1]).tolist() == [[0.0], [0.0]]
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.7, 0.1])
+def test_masked_vocabulary_equals_the_vocabulary_without_it(tau):
+    """Entries at -inf (a masked vocabulary) give the reduced vocabulary's log-probs and
+    entropies, finite gradients, and exactly zero gradient on the masked entries."""
+    masked, kept = [1, 4, 5], torch.tensor([0, 2, 3, 6])
+    logits, _ = make(4)
+    logits[..., masked] = -math.inf
+    logits.requires_grad_(True)
+    reduced = logits.detach()[..., kept].requires_grad_(True)
+    ids_reduced = torch.randint(0, 4, (2, 5), generator=torch.Generator().manual_seed(5))
+    ids = kept[ids_reduced]
+    for fn, fn_reduced in [
+        (
+            lambda: logprobs_from_logits(logits, ids, tau),
+            lambda: logprobs_from_logits(reduced, ids_reduced, tau),
+        ),
+        (lambda: entropy_from_logits(logits, tau), lambda: entropy_from_logits(reduced, tau)),
+    ]:
+        logits.grad = reduced.grad = None
+        got, want = fn(), fn_reduced()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        got.sum().backward()
+        want.sum().backward()
+        assert torch.isfinite(logits.grad).all() and (logits.grad[..., masked] == 0).all()
+        torch.testing.assert_close(logits.grad[..., kept], reduced.grad, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_scaled_logits_passes_finite_logits_through_bit_identically(dtype):
+    x = (torch.randn(3, 4, 9, dtype=torch.float64) * 30).to(dtype).requires_grad_(True)
+    cot = torch.randn(3, 4, 9, dtype=upcast(x).dtype)
+    got, want = scaled_logits(x, 0.7), upcast(x) / 0.7
+    assert torch.equal(got, want)
+    assert torch.equal(*(torch.autograd.grad((y * cot).sum(), x)[0] for y in (got, want)))
+    assert scaled_logits(torch.tensor([-math.inf], dtype=dtype), 0.01).isfinite().all()
+
+
 def test_sequence_logprobs():
     lp = torch.tensor([[0.0, -1.0, -2.0, math.nan], [0.0, -0.5, -0.25, -4.0]], dtype=torch.float64)
     lp.requires_grad_(True)
@@ -54,64 +90,6 @@ def test_sequence_logprobs():
     assert out.tolist() == [-3.0, -4.25]
     out.sum().backward()
     assert lp.grad.tolist() == mask.tolist()
-
-
-@pytest.mark.parametrize("chunk_size", [1, 5, 8, 1024])
-@pytest.mark.parametrize("tau", [1.0, 0.6])
-def test_chunked_match_full_values_and_gradients(chunk_size, tau):
-    g = torch.Generator().manual_seed(2)
-    hidden = torch.randn(2, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(11, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    ids = torch.randint(0, 11, (2, 5), generator=g)
-    cot = torch.randn(2, 5, generator=g, dtype=torch.float64)  # a generic upstream gradient
-
-    for chunked, full in [
-        (
-            lambda: chunked_logprobs_from_hidden(hidden, weight, ids, tau, chunk_size),
-            lambda: logprobs_from_logits(hidden @ weight.T, ids, tau),
-        ),
-        (
-            lambda: chunked_entropy_from_hidden(hidden, weight, tau, chunk_size),
-            lambda: entropy_from_logits(hidden @ weight.T, tau),
-        ),
-    ]:
-        got, want = chunked(), full()
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-        g_got = torch.autograd.grad((got * cot).sum(), (hidden, weight))
-        g_want = torch.autograd.grad((want * cot).sum(), (hidden, weight))
-        for a, b in zip(g_got, g_want, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-
-
-def test_chunked_keeps_no_vocabulary_sized_tensor_for_backward():
-    """Autograd saves no chunk x V logits (only the inputs of each checkpointed chunk and the
-    weight itself); the full-logits path saves B x (T-1) x V."""
-    hidden = torch.randn(2, 9, 3, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, 3, dtype=torch.float64, requires_grad=True)
-    ids = torch.randint(0, 50, (2, 9))
-    sizes = []
-
-    def pack(x):
-        if x.data_ptr() != weight.data_ptr():
-            sizes.append(x.numel())
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        chunked_logprobs_from_hidden(hidden, weight, ids, chunk_size=4)
-        chunked_entropy_from_hidden(hidden, weight, chunk_size=4)
-    assert 0 < max(sizes) < 50
-    sizes.clear()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        logprobs_from_logits(hidden @ weight.T, ids)
-    assert max(sizes) >= 2 * 8 * 50
-
-
-def test_chunked_under_no_grad_and_short_sequences():
-    hidden, weight = torch.randn(3, 1, 4), torch.randn(6, 4)
-    with torch.no_grad():
-        out = chunked_logprobs_from_hidden(hidden, weight, torch.zeros(3, 1, dtype=torch.long))
-    assert out.shape == (3, 1) and (out == 0).all()
-    assert chunked_entropy_from_hidden(hidden.bfloat16(), weight.bfloat16()).dtype == torch.float32
 
 
 def test_errors():
@@ -124,10 +102,3 @@ def test_errors():
         logprobs_from_logits(logits, ids[:, :4])
     with pytest.raises(ValueError, match=r"logprobs \[2, 5\] and response_mask \[2, 4\]"):
         sequence_logprobs(torch.zeros(2, 5), torch.ones(2, 4))
-    hidden, weight = torch.randn(2, 5, 4), torch.randn(7, 4)
-    with pytest.raises(ValueError, match=r"chunk_size must be a positive integer, got 0"):
-        chunked_logprobs_from_hidden(hidden, weight, ids, chunk_size=0)
-    with pytest.raises(ValueError, match=r"lm_head_weight \[4, 7\] must be \[V, H\]"):
-        chunked_entropy_from_hidden(hidden, weight.T)
-    with pytest.raises(ValueError, match=r"hidden \[2, 5, 4\] and input_ids \[2, 3\]"):
-        chunked_logprobs_from_hidden(hidden, weight, ids[:, :3])

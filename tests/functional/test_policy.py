@@ -108,6 +108,20 @@ def test_gradcheck_inside_and_outside_clip(dual):
     assert torch.autograd.gradcheck(lambda x: f(x)[0], (lp,))
 
 
+def test_log_ratio_is_clamped_before_exp():
+    """verl's clamp of the log-ratio to [-20, 20]: log r = +1000 with A = -1 gives
+    max(r, 1.28) = e^20 (not inf); log r = -1000 with A = +1 gives max(-e^-20, -0.8) = -e^-20.
+    token_mean = (e^20 - e^-20) / 2, and a clamped token passes no gradient through r."""
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = lp.detach() - torch.tensor([[1000.0, -1000.0]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 1.0]], dtype=torch.float64)
+    loss, m = policy_loss(lp, old, adv, torch.ones(1, 2), aggregation="token_mean")
+    assert abs(loss.item() - (math.exp(20) - math.exp(-20)) / 2) < 1e-12 * math.exp(20)
+    assert m["ratio_max"].item() == math.exp(20.0)
+    loss.backward()
+    assert torch.isfinite(lp.grad).all() and (lp.grad == 0).all()
+
+
 def test_masked_tokens_get_zero_gradient_and_nan_does_not_leak():
     lp, old, adv, mask = make_inputs(seed=3)
     lp, old, adv = lp.clone(), old.clone(), adv.clone()
