@@ -1,35 +1,55 @@
-"""The shared outputs of one minibatch step, handed to every head.
+"""What heads read: the targets of a rollout batch and the shared outputs of one minibatch.
 
-The module fills a `StepContext` with what the active heads declared in `requires`: one policy
-forward (grad), ONE teacher forward (no grad, hinted contexts) shared by every head, and a
-reference forward. A head may request a policy forward on other sequences (replay pairs).
+`RolloutTargets` are computed once per rollout batch, without grad, before its first update,
+and reused by every minibatch and epoch: the old log-probs (a recompute when there is more than
+one update), the reference log-probs, and ONE teacher forward on the hinted contexts (OPD's
+teacher log-probs, SDPO's teacher hidden states). A teacher recomputed from the already updated
+policy would drift (OpenClaw takes the teacher at sampling time).
+
+`StepContext` adds one policy forward (grad) per minibatch. Nothing holds `[B, T, V]` logits:
+heads that need full distributions (SDPO) read hidden states and the LM head and apply it in
+chunks; `logits` / `teacher_logits` are built on access for plug-in heads that ask for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from composer_lightning.functional import masked_aggregate, sequence_logprobs
 
-
-def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """`[B, T, V]` logits of a causal LM; position ids follow the attention mask (left padding)."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False)
-    return out if isinstance(out, Tensor) else out.logits
-
-
-def shift_logits(logits: Tensor) -> Tensor:
-    """`[B, T, V]` → row t holds the logits that predict token t (row 0 zeros)."""
-    return torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
-
-
 _MISSING = object()
+
+
+@dataclass
+class RolloutTargets:
+    """No-grad values of one rollout batch, shared by all its updates (`[B, ...]` rows).
+
+    Attributes:
+        old_logprobs: `[B, T]` log-probs of the policy before the first update, or None (with a
+            single update they are the current log-probs, detached).
+        ref_logprobs: `[B, T]` reference-model log-probs, or None.
+        teacher_logprobs: `[B, T]` teacher log-probs of the student's tokens (0 where unmapped).
+        teacher_aligned: `[B]` bool, every required token maps to the same teacher token.
+        teacher_hidden: `[B, T, H]` the teacher hidden state predicting each student token.
+        teacher_lm_head_weight: `[V, H]` the teacher's LM head; None means the live policy's
+            (unchanged since the teacher forward: a single update).
+    """
+
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
+    teacher_aligned: Tensor | None = None
+    teacher_hidden: Tensor | None = None
+    teacher_lm_head_weight: Tensor | None = None
+
+    def select(self, index: Tensor) -> RolloutTargets:
+        """The rows `index` of every per-sample tensor (the LM head weight is shared)."""
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
+                                if f.name != "teacher_lm_head_weight" and getattr(self, f.name) is not None})
 
 
 @dataclass
@@ -38,10 +58,12 @@ class StepContext:
 
     Attributes:
         global_step: the optimizer step count.
-        logprobs: `[B, T]` policy log-probs of the sampling distribution (grad).
+        logprobs: `[B, T]` policy log-probs of the sampling distribution (grad), computed on the
+            response tokens (0 elsewhere); so are `old_logprobs` and `ref_logprobs`.
         old_logprobs: `[B, T]` log-probs of the policy that generated the rollout (detached).
         aggregation: the module's aggregation mode; `norm_length` its normaliser.
         temperature: the sampling temperature the log-probs are taken at.
+        chunk_size: tokens per LM-head chunk, for heads that apply the LM head themselves.
     """
 
     global_step: int
@@ -50,52 +72,78 @@ class StepContext:
     aggregation: str
     norm_length: int | None
     temperature: float
+    chunk_size: int = 1024
     _provided: dict[str, object] = field(default_factory=dict)
-    _policy_forward: Callable[[Tensor, Tensor], Tensor] | None = None
-    _reference_forward: Callable[[Tensor, Tensor], Tensor] | None = None
+    _policy_forward: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+    _reference_forward: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
     def has(self, key: str) -> bool:
         """Whether `key` (e.g. "entropy") was computed for this step."""
         return key in self._provided
 
-    def _get(self, key: str) -> object:
+    def _get(self, key: str) -> Tensor:
         value = self._provided.get(key, _MISSING)
         if value is _MISSING:
-            raise AttributeError(
-                f"'{key}' was not computed for this step: a head that reads it must list it in "
-                f"its `requires`"
-            )
-        return value
-
-    @property
-    def logits(self) -> Tensor:
-        """`[B, T, V]` raw policy logits; row t predicts token t (grad)."""
-        return self._get("logits")  # type: ignore[return-value]
+            raise AttributeError(f"'{key}' was not computed for this step: a head that reads it "
+                                 "must list it in its `requires`")
+        return value  # type: ignore[return-value]
 
     @property
     def entropy(self) -> Tensor:
         """`[B, T]` entropy of the sampling distribution predicting token t (grad)."""
-        return self._get("entropy")  # type: ignore[return-value]
+        return self._get("entropy")
+
+    @property
+    def hidden(self) -> Tensor:
+        """`[B, T, H]` the policy hidden state predicting token t (grad); logits are
+        `hidden @ lm_head_weight.T`."""
+        return self._get("hidden")
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """`[V, H]` the policy's LM head (grad)."""
+        return self._get("lm_head_weight")
+
+    @property
+    def logits(self) -> Tensor:
+        """`[B, T, V]` raw policy logits, row t predicts token t (grad). Built on access: full
+        logits, for plug-in heads only; prefer `hidden` with a chunked function."""
+        if "logits" in self._provided:
+            return self._get("logits")
+        return self.hidden @ self.lm_head_weight.T
 
     @property
     def teacher_logprobs(self) -> Tensor:
         """`[B, T]` teacher log-probs of the student's tokens (no grad); 0 where unmapped."""
-        return self._get("teacher_logprobs")  # type: ignore[return-value]
-
-    @property
-    def teacher_logits(self) -> Tensor:
-        """`[B, T, V]` raw teacher logits predicting each student token (no grad)."""
-        return self._get("teacher_logits")  # type: ignore[return-value]
+        return self._get("teacher_logprobs")
 
     @property
     def teacher_aligned(self) -> Tensor:
         """`[B]` bool: the sample's teacher positions map onto the same tokens."""
-        return self._get("teacher_aligned")  # type: ignore[return-value]
+        return self._get("teacher_aligned")
+
+    @property
+    def teacher_hidden(self) -> Tensor:
+        """`[B, T, H]` the teacher hidden state predicting each student token (no grad)."""
+        return self._get("teacher_hidden")
+
+    @property
+    def teacher_lm_head_weight(self) -> Tensor:
+        """`[V, H]` the teacher's LM head (no grad)."""
+        return self._get("teacher_lm_head_weight")
+
+    @property
+    def teacher_logits(self) -> Tensor:
+        """`[B, T, V]` raw teacher logits predicting each student token (no grad). Built on
+        access: full logits, for plug-in heads only."""
+        if "teacher_logits" in self._provided:
+            return self._get("teacher_logits")
+        return self.teacher_hidden @ self.teacher_lm_head_weight.T
 
     @property
     def ref_logprobs(self) -> Tensor:
         """`[B, T]` reference-model log-probs (no grad)."""
-        return self._get("ref_logprobs")  # type: ignore[return-value]
+        return self._get("ref_logprobs")
 
     def aggregate(self, values: Tensor, mask: Tensor) -> Tensor:
         """Reduce `[B, T]` values over `mask` with the module's aggregation."""
@@ -103,10 +151,15 @@ class StepContext:
 
     def policy_sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor,
                                  response_mask: Tensor) -> Tensor:
-        """`[N]` summed policy log-probs of the response tokens of other sequences (grad)."""
+        """`[N]` summed policy log-probs of the response tokens of other sequences (grad).
+
+        Under FSDP2 this is a forward of the sharded policy, a collective: a head that calls it
+        must call it on every rank in every step (on a placeholder when it has nothing to do).
+        """
         if self._policy_forward is None:
             raise AttributeError("policy forward on other sequences needs 'sequence_logprobs' in requires")
-        return sequence_logprobs(self._policy_forward(input_ids, attention_mask), response_mask)
+        return sequence_logprobs(self._policy_forward(input_ids, attention_mask, response_mask),
+                                 response_mask)
 
     def reference_sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor,
                                     response_mask: Tensor) -> Tensor:
@@ -114,4 +167,5 @@ class StepContext:
         if self._reference_forward is None:
             raise AttributeError("reference forward needs 'ref_logprobs' in requires and a reference model")
         with torch.no_grad():
-            return sequence_logprobs(self._reference_forward(input_ids, attention_mask), response_mask)
+            return sequence_logprobs(
+                self._reference_forward(input_ids, attention_mask, response_mask), response_mask)

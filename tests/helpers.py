@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
 
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.models.factory import TinyLlama
+from composer_lightning.module import ComposerModule
+from composer_lightning.step import StepContext
 
 
 def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: int = 64) -> nn.Module:
@@ -17,17 +20,42 @@ def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: in
 
 
 class ScriptedTeacher(nn.Module):
-    """A frozen teacher whose logits are given: it checks it is asked about the expected context."""
+    """A frozen teacher whose logits are given: it checks it is asked about the expected context.
+
+    HF-style: its final hidden states are the logits and its LM head is the identity.
+    """
 
     def __init__(self, expected_ids: Tensor, logits: Tensor):
         super().__init__()
         self.expected_ids, self.logits = expected_ids, logits
+        V = logits.shape[-1]
+        self.head = nn.Linear(V, V, bias=False, dtype=logits.dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.eye(V, dtype=logits.dtype))
         self.calls = 0
 
-    def forward(self, input_ids: Tensor, **_: object) -> Tensor:
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.head
+
+    def forward(self, input_ids: Tensor, **_: object) -> SimpleNamespace:
         assert torch.equal(input_ids, self.expected_ids), "teacher asked about an unexpected context"
         self.calls += 1
-        return self.logits
+        return SimpleNamespace(hidden_states=(self.logits,))
+
+
+def full_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """`[B, T, V]` logits of a causal LM the plain way (an independent reference for the
+    chunked paths); position ids follow the attention mask."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False).logits
+
+
+def context(module: ComposerModule, batch: RolloutBatch, needs: set[str] | None = None) -> StepContext:
+    """The module's step context of `batch` as one rollout batch with one update."""
+    if needs is None:
+        needs = module.objective.requirements(module.objective.weights(module.global_step))
+    return module.step_context(batch, needs)
 
 
 def one_sample_batch(prompt: list[int], response: list[int], hint: list[int], *, reward: float,

@@ -1,4 +1,4 @@
-"""ComposerModule on a tiny random model with hand-made batches."""
+"""ComposerModule and the public Objective on a tiny random model with hand-made batches."""
 
 from __future__ import annotations
 
@@ -9,25 +9,54 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import composer_lightning.module as module_lib
 from composer_lightning.datamodules.synthetic import synthetic_batch
+from composer_lightning.functional import logprobs_from_logits
+from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.module import ComposerModule
-from tests.helpers import ScriptedTeacher, one_sample_batch, teacher_logits_for, tiny_model
+from composer_lightning.objective import Objective
+from composer_lightning.step import StepContext
+from tests.helpers import (
+    ScriptedTeacher,
+    context,
+    full_logits,
+    one_sample_batch,
+    teacher_logits_for,
+    tiny_model,
+)
 
 PROMPT, RESPONSE, HINT = [5, 9, 11], [20, 21, 22, 23], [40, 41]
 DELTA = torch.tensor([0.2, 0.9, 0.0, 0.6], dtype=torch.float64)
 
 
-def _fit_one(module: ComposerModule, batch) -> dict[str, float]:
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+def _fit(module: ComposerModule, batch, callbacks=()) -> dict[str, float]:
+    trainer = L.Trainer(max_steps=module.ppo_epochs * module.minibatches, accelerator="cpu",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=list(callbacks))
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+class Recording(Head):
+    """Wraps a head and records, per update, its advantages and the ratio's log."""
+
+    def __init__(self, inner: Head):
+        super().__init__(name=inner.name, weight=inner.weight, schedule=inner.schedule)
+        self.inner, self.requires = inner, inner.requires
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def compute(self, batch, ctx):
+        out = self.inner.compute(batch, ctx)
+        self.seen.append({"adv": None if out.advantages is None else out.advantages.clone(),
+                          "loss": None if out.loss is None else out.loss.detach().clone(),
+                          "log_ratio": (ctx.logprobs - ctx.old_logprobs).detach().clone(),
+                          "teacher_logits": ctx.teacher_logits.detach().clone()
+                          if ctx.has("teacher_hidden") else None})
+        return out
 
 
 @pytest.mark.parametrize("has_teacher,has_reward,expected", [
@@ -35,7 +64,7 @@ def _fit_one(module: ComposerModule, batch) -> dict[str, float]:
     (True, False, [0.2, 0.9, 0.0, 0.6]),  # OPD-only
     (False, True, [1.0, 1.0, 1.0, 1.0]),  # RL-only
 ])
-def test_worked_example_through_the_full_path(has_teacher, has_reward, expected, monkeypatch):
+def test_worked_example_through_the_full_path(has_teacher, has_reward, expected):
     """The seeds' example, G = 1: teacher log-probs = old + [0.2, 0.9, 0.0, 0.6], reward +1.
 
     With the ratio exactly 1 the clip never binds, so per token l = −A and `token_sum_norm`
@@ -45,40 +74,34 @@ def test_worked_example_through_the_full_path(has_teacher, has_reward, expected,
     batch = one_sample_batch(PROMPT, RESPONSE, HINT, reward=1.0, has_reward=has_reward,
                              has_teacher=has_teacher)
     with torch.no_grad():
-        from composer_lightning.functional import logprobs_from_logits
-        from composer_lightning.step import forward_logits
-        old = logprobs_from_logits(forward_logits(policy, batch.input_ids, batch.attention_mask),
+        old = logprobs_from_logits(full_logits(policy, batch.input_ids, batch.attention_mask),
                                    batch.input_ids)[0, len(PROMPT):]
     logits = teacher_logits_for(old + DELTA, batch.teacher_input_ids, len(PROMPT) + len(HINT), 64)
     teacher = ScriptedTeacher(batch.teacher_input_ids, logits)
     module = ComposerModule(policy, [DrGRPOHead(), OPDHead()], teacher=teacher,
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
-    seen = []
-    real = module_lib.policy_loss
-
-    def spy(lp, old_, adv, mask, **kw):
-        out = real(lp, old_, adv, mask, **kw)
-        seen.append((adv.clone(), (lp - old_).detach(), out[0].detach()))
-        return out
-    monkeypatch.setattr(module_lib, "policy_loss", spy)
-    metrics = _fit_one(module, batch)
-    (adv, log_ratio, loss), = seen
-    assert teacher.calls == 1  # one teacher forward, shared
-    torch.testing.assert_close(adv[0, len(PROMPT):], torch.tensor(expected, dtype=torch.float64),
+    obj, ctx = module.objective, context(module, batch)
+    weights = obj.weights(0)
+    terms = obj.advantage_terms(batch, obj.head_outputs(batch, ctx, weights), weights)
+    mixed = sum(t.weight * t.advantages for t in terms)
+    torch.testing.assert_close(mixed[0, len(PROMPT):], torch.tensor(expected, dtype=torch.float64),
                                rtol=0, atol=1e-10)
-    assert torch.all(adv[0, :len(PROMPT)] == 0)
-    assert torch.all(log_ratio == 0)
+    assert torch.all(mixed[0, :len(PROMPT)] == 0) and torch.all(ctx.logprobs == ctx.old_logprobs)
+    loss, _ = obj(batch, ctx, weights)
     assert float(loss) == pytest.approx(-sum(expected) / 4, abs=1e-12)
+    teacher.calls = 0
+    metrics = _fit(module, batch)
+    assert teacher.calls == 1  # one teacher forward, shared
     assert metrics["train/loss"] == pytest.approx(-sum(expected) / 4, abs=1e-6)  # logged as fp32
 
 
 def _grads(module: ComposerModule, batch) -> dict[str, torch.Tensor]:
-    weights = {h.name: h.effective_weight(0) for h in module.heads}
-    needs = set().union(*(h.requires for h in module.heads if weights[h.name] > 0))
+    weights = module.objective.weights(0)
     module.policy.zero_grad()
-    ctx = module._context(batch, None, needs)
-    module.heads[-1].on_rollout(batch, ctx.old_logprobs) if hasattr(module.heads[-1], "buffer") else None
-    loss, _ = module._objective(batch, ctx, weights)
+    ctx = context(module, batch)
+    for head in module.heads:
+        head.on_rollout(batch, ctx.old_logprobs)
+    loss, _ = module.objective(batch, ctx, weights)
     loss.backward()
     return {n: p.grad.clone() for n, p in module.policy.named_parameters()}
 
@@ -104,7 +127,7 @@ def test_dispatch_flags_zero_each_signal_exactly_with_groups():
     batch = synthetic_batch(torch.Generator().manual_seed(3), prompts=3, group_size=4, vocab_size=64)
     batch.rewards[~batch.has_reward] = 1e6  # must not leak anywhere
     module = ComposerModule(tiny_model(), [DrGRPOHead(), OPDHead()])
-    ctx = module._context(batch, None, {"teacher_logprobs"})
+    ctx = context(module, batch)
     rl = module.heads[0].compute(batch, ctx).advantages
     opd = module.heads[1].compute(batch, ctx).advantages
     assert torch.all(rl[~batch.has_reward] == 0) and torch.all(opd[~batch.has_teacher] == 0)
@@ -118,64 +141,88 @@ def test_dispatch_flags_zero_each_signal_exactly_with_groups():
             assert abs(float(per_sample[m].sum())) < 1e-9
 
 
-def _two_epoch_losses(mixing: str) -> list[float]:
-    """Rewards push one way, the hinted teacher the other: the two terms have opposite signs."""
-    torch.manual_seed(0)
-    batch = synthetic_batch(torch.Generator().manual_seed(5), prompts=2, group_size=4,
-                            vocab_size=64, hint_prob=1.0, reward_prob=1.0)
-    module = ComposerModule(tiny_model(seed=2), [DrGRPOHead(weight=1.0), OPDHead(weight=3.0)],
-                            teacher=tiny_model(seed=9), mixing=mixing, ppo_epochs=2,
-                            optimizer=lambda p: torch.optim.SGD(p, lr=5.0), max_grad_norm=None,
-                            aggregation="token_mean")
-    losses = []
-    real = module_lib.policy_loss
+# ---------------------------------------------------------------- the objective, by hand
+class Fixed(Head):
+    """An advantage head returning given values (for checking the objective by hand)."""
 
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        losses.append((float(out[1]["clipfrac"]), float(out[0])))
-        return out
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(module_lib, "policy_loss", spy)
-        _fit_one(module, batch)
-    return losses
+    def __init__(self, name: str, advantages: torch.Tensor, weight: float = 1.0):
+        super().__init__(name=name, weight=weight)
+        self.advantages = advantages
+
+    def compute(self, batch, ctx):
+        return HeadOutput(advantages=self.advantages * batch.response_mask)
 
 
-def test_mixing_loss_equals_advantage_at_ratio_one_and_differs_where_clip_binds():
-    adv_calls = _two_epoch_losses("advantage")
-    loss_calls = _two_epoch_losses("loss")
-    # epoch 1: ratio 1, the surrogate is linear in A, so Σ per-term surrogates = mixed surrogate
-    first_adv = adv_calls[0][1]
-    first_loss = loss_calls[0][1] + loss_calls[1][1]
-    assert first_adv == pytest.approx(first_loss, abs=1e-9)
-    # epoch 2: the clip binds and the terms have opposite signs → the two objectives differ
-    assert adv_calls[1][0] > 0  # clipfrac > 0 in the second epoch
-    second_adv = adv_calls[1][1]
-    second_loss = loss_calls[3][1] + loss_calls[4][1]
-    assert abs(second_adv - second_loss) > 1e-4
+def _ctx(logprobs, old, mask, aggregation="token_mean"):
+    return StepContext(global_step=0, logprobs=logprobs, old_logprobs=old, aggregation=aggregation,
+                       norm_length=mask.shape[1], temperature=1.0)
 
 
-def test_variance_matching_rescales_each_term_to_the_reference_sigma():
-    batch = synthetic_batch(torch.Generator().manual_seed(7), prompts=3, group_size=4, vocab_size=64,
-                            hint_prob=0.7)
-    module = ComposerModule(tiny_model(), [DrGRPOHead(), OPDHead(weight=2.0)], teacher=tiny_model(seed=3),
-                            variance_matching="dr_grpo")
-    weights = {"dr_grpo": 1.0, "opd": 2.0}
-    ctx = module._context(batch, None, {"teacher_logprobs"})
-    _, metrics = module._objective(batch, ctx, weights)
-    rl = module.heads[0].compute(batch, ctx)
-    opd = module.heads[1].compute(batch, ctx)
-    s_rl = rl.advantages[rl.active_mask].std(unbiased=False)
-    s_opd = opd.advantages[opd.active_mask].std(unbiased=False)
-    assert metrics["dr_grpo/weight"] == 1.0
-    assert metrics["opd/weight"] == pytest.approx(2.0 * float(s_rl / s_opd), rel=1e-12)
+def _surrogate_by_hand(lp, old, adv, mask, lo=0.2, hi=0.28) -> float:
+    """token_mean of max(−r·A, −clip(r)·A), a scalar loop in float64."""
+    total, n = 0.0, 0
+    for b in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            if mask[b, t]:
+                r = float(torch.exp(lp[b, t] - old[b, t]))
+                a = float(adv[b, t])
+                total += max(-r * a, -min(max(r, 1 - lo), 1 + hi) * a)
+                n += 1
+    return total / n
+
+
+def _objective_case():
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 5
+    mask = torch.rand(B, T, generator=g) < 0.8
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    lp = old + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)  # ratios in e^±0.5
+    a1 = torch.randn(B, T, generator=g, dtype=torch.float64)
+    a2 = -2.0 * a1 + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # opposite signs
+    batch = synthetic_batch(g, prompts=1, group_size=B, prompt_length=2, response_length=T - 2,
+                            vocab_size=64, reward_prob=1.0)
+    batch.response_mask = mask
+    return batch, lp, old, a1, a2, mask
+
+
+def test_loss_mixing_equals_the_sum_of_per_term_surrogates_by_hand():
+    """`mixing: loss` = Σ_i token_mean(max(−r·w_i·A_i, −clip(r)·w_i·A_i)); `advantage` mixes
+    first. Where the clip binds and the terms disagree in sign the two differ."""
+    batch, lp, old, a1, a2, mask = _objective_case()
+    heads = lambda: [Fixed("one", a1, weight=1.0), Fixed("two", a2, weight=0.5)]  # noqa: E731
+    ctx = _ctx(lp.clone().requires_grad_(), old, mask)
+    per_term = Objective(heads(), aggregation="token_mean", mixing="loss")
+    loss, _ = per_term(batch, ctx, {"one": 1.0, "two": 0.5})
+    expected = (_surrogate_by_hand(lp, old, a1 * mask, mask)
+                + _surrogate_by_hand(lp, old, 0.5 * a2 * mask, mask))
+    assert float(loss) == pytest.approx(expected, abs=1e-12)
+    mixed = Objective(heads(), aggregation="token_mean", mixing="advantage")
+    loss_mixed, metrics = mixed(batch, ctx, {"one": 1.0, "two": 0.5})
+    assert float(loss_mixed) == pytest.approx(
+        _surrogate_by_hand(lp, old, (a1 + 0.5 * a2) * mask, mask), abs=1e-12)
+    assert metrics["ppo/clipfrac"] > 0 and abs(float(loss_mixed) - expected) > 1e-3
+
+
+def test_variance_matching_scales_the_advantages_that_reach_the_surrogate():
+    """The surrogate must see σ(ref)/σ(term)-scaled advantages: at ratio 1 with token_mean the
+    loss is −mean(Σ w_i s_i A_i) over the response tokens, computed here by hand."""
+    batch, lp, _, a1, a2, mask = _objective_case()
+    ctx = _ctx(lp.clone().requires_grad_(), lp, mask)
+    obj = Objective([Fixed("one", a1), Fixed("two", a2, weight=2.0)], aggregation="token_mean",
+                    variance_matching="one")
+    loss, metrics = obj(batch, ctx, {"one": 1.0, "two": 2.0})
+    s = float(a1[mask].std(unbiased=False) / a2[mask].std(unbiased=False))
+    expected = -float(((a1 + 2.0 * s * a2) * mask).sum() / mask.sum())
+    assert float(loss) == pytest.approx(expected, abs=1e-12)
+    assert metrics["two/weight"] == pytest.approx(2.0 * s, rel=1e-12)
+    assert abs(expected + float(((a1 + 2.0 * a2) * mask).sum() / mask.sum())) > 1e-3  # it matters
 
 
 def test_variance_matching_keeps_the_weight_of_a_constant_term():
     batch = synthetic_batch(torch.Generator().manual_seed(7), vocab_size=64)
     batch.rewards[:] = 1.0  # every group constant: σ(dr_grpo) = 0
     module = ComposerModule(tiny_model(), [DrGRPOHead(weight=0.5), OPDHead()], variance_matching="opd")
-    ctx = module._context(batch, None, {"teacher_logprobs"})
-    _, metrics = module._objective(batch, ctx, {"dr_grpo": 0.5, "opd": 1.0})
+    _, metrics = module.objective(batch, context(module, batch), {"dr_grpo": 0.5, "opd": 1.0})
     assert metrics["dr_grpo/weight"] == 0.5
 
 
@@ -184,20 +231,22 @@ def test_entropy_bonus_subtracts_coef_times_aggregated_entropy():
     base = tiny_model()
     plain = ComposerModule(copy.deepcopy(base), [DrGRPOHead()])
     bonus = ComposerModule(copy.deepcopy(base), [DrGRPOHead()], entropy_coef=0.01)
-    l0, _ = plain._objective(batch, plain._context(batch, None, set()), {"dr_grpo": 1.0})
-    ctx = bonus._context(batch, None, set())
-    l1, metrics = bonus._objective(batch, ctx, {"dr_grpo": 1.0})
+    l0, _ = plain.objective(batch, context(plain, batch), {"dr_grpo": 1.0})
+    ctx = context(bonus, batch)
+    l1, metrics = bonus.objective(batch, ctx, {"dr_grpo": 1.0})
     expected = l0 - 0.01 * ctx.aggregate(ctx.entropy, batch.response_mask)
     torch.testing.assert_close(l1, expected, rtol=0, atol=1e-12)
     assert "entropy" in metrics
 
 
+# ---------------------------------------------------------------- updates per rollout batch
 def test_minibatches_split_along_groups_and_recompute_old_logprobs():
     """Two minibatches: the first update sees ratio exactly 1 (old = recomputed before any
     update), the second sees the first update's effect (ratio ≠ 1)."""
     batch = synthetic_batch(torch.Generator().manual_seed(8), prompts=4, group_size=2, vocab_size=64,
                             reward_prob=1.0)
-    module = ComposerModule(tiny_model(), [DrGRPOHead()], minibatches=2,
+    head = Recording(DrGRPOHead())
+    module = ComposerModule(tiny_model(), [head], minibatches=2,
                             optimizer=lambda p: torch.optim.SGD(p, lr=1.0), max_grad_norm=None)
     parts = module._minibatch_indices(batch)
     assert len(parts) == 2
@@ -205,15 +254,59 @@ def test_minibatches_split_along_groups_and_recompute_old_logprobs():
         groups = set(batch.group_ids[part].tolist())
         assert all(set(torch.nonzero(batch.group_ids == g).flatten().tolist()) <= set(part.tolist())
                    for g in groups)
-    seen = []
-    real = module_lib.policy_loss
-
-    def spy(lp, old, *a, **kw):
-        seen.append(float((lp - old).abs().max()))
-        return real(lp, old, *a, **kw)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(module_lib, "policy_loss", spy)
-        _fit_one(module, batch)
-    assert seen[0] == 0.0 and seen[1] > 1e-6
+    _fit(module, batch)
+    first, second = (float(s["log_ratio"].abs().max()) for s in head.seen)
+    assert first == 0.0 and second > 1e-6
     with pytest.raises(ValueError, match="minibatches=5 but the batch has only 4 groups"):
         ComposerModule(tiny_model(), [DrGRPOHead()], minibatches=5)._minibatch_indices(batch)
+
+
+def test_teacher_and_kl_terms_are_fixed_for_the_whole_rollout_batch():
+    """2 epochs × 2 minibatches with the live policy as teacher and KL in the advantage: the
+    OPD and KL advantage terms of each minibatch are identical in all its updates and equal
+    the values computed before any update, although the policy moves in between."""
+    batch = synthetic_batch(torch.Generator().manual_seed(9), prompts=4, group_size=2, vocab_size=64,
+                            reward_prob=1.0, hint_prob=1.0)
+    base = tiny_model()
+    opd, kl = Recording(OPDHead()), Recording(KLHead(kl_coef=0.5))
+    module = ComposerModule(copy.deepcopy(base), [DrGRPOHead(), opd, kl], reference=tiny_model(seed=4),
+                            ppo_epochs=2, minibatches=2, max_grad_norm=None,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    parts = module._minibatch_indices(batch)
+    before = ComposerModule(copy.deepcopy(base), [OPDHead(), KLHead(kl_coef=0.5)],
+                            reference=tiny_model(seed=4))
+    expected = []
+    for idx in parts:  # each minibatch on the untouched policy
+        mb = batch.select(idx)
+        ctx = context(before, mb)
+        expected.append((before.heads[0].compute(mb, ctx).advantages,
+                         before.heads[1].compute(mb, ctx).advantages))
+    _fit(module, batch)
+    assert len(opd.seen) == len(kl.seen) == 4
+    assert any(float(s["log_ratio"].abs().max()) > 1e-4 for s in opd.seen)  # the policy moved
+    for update in range(4):
+        exp_opd, exp_kl = expected[update % 2]
+        torch.testing.assert_close(opd.seen[update]["adv"], exp_opd, rtol=0, atol=1e-12)
+        torch.testing.assert_close(kl.seen[update]["adv"], exp_kl, rtol=0, atol=1e-12)
+        assert torch.any(exp_opd != 0) and torch.any(exp_kl != 0)
+
+
+def test_sdpo_teacher_is_fixed_across_updates():
+    """No hint (teacher context = student context) and the live policy as teacher: the first
+    update's JSD is exactly 0; later ones are > 0 only because the teacher stays the policy of
+    before the first update (a teacher recomputed from the updated policy would give 0 again)."""
+    batch = synthetic_batch(torch.Generator().manual_seed(10), prompts=2, group_size=2,
+                            vocab_size=64, hint_length=0, hint_prob=1.0, reward_prob=1.0)
+    sdpo = Recording(SDPOHead(clip=None))
+    module = ComposerModule(tiny_model(), [DrGRPOHead(), sdpo], ppo_epochs=3, max_grad_norm=None,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=2.0))
+    policy0 = copy.deepcopy(module.policy)
+    _fit(module, batch)
+    jsd = [float(s["loss"]) for s in sdpo.seen]
+    assert len(jsd) == 3 and abs(jsd[0]) < 1e-12 and jsd[1] > 1e-8 and jsd[2] > 1e-8
+    with torch.no_grad():  # the pre-update policy's logits predicting each token
+        logits0 = full_logits(policy0, batch.input_ids, batch.attention_mask)
+    mask = batch.sdpo_mask
+    for s in sdpo.seen:
+        torch.testing.assert_close(s["teacher_logits"][:, 1:][mask[:, 1:]],
+                                   logits0[:, :-1][mask[:, 1:]], rtol=0, atol=1e-10)

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     from composer_lightning.step import StepContext
 
 #: What a head may ask the step for (see `StepContext`).
-REQUIREMENTS = frozenset(
-    {"logits", "entropy", "teacher_logprobs", "teacher_logits", "ref_logprobs", "sequence_logprobs"}
-)
+REQUIREMENTS = frozenset({
+    "entropy", "hidden", "logits", "teacher_logprobs", "teacher_hidden", "teacher_logits",
+    "ref_logprobs", "sequence_logprobs",
+})
 
 
 @dataclass

@@ -22,7 +22,9 @@ class KLHead(Head):
     Args:
         kl_coef: the KL coefficient (the head's weight). With 0 no reference model is built.
         estimator: `k1` (advantage only), `k2` or `k3`.
-        placement: `advantage` (`−kl_coef · k1_t`, detached) or `loss` (`kl_coef · aggregate(k)`).
+        placement: `advantage` (`−kl_coef · k_t` of the rollout policy: old vs reference
+            log-probs, the same in every update of a rollout batch) or `loss`
+            (`kl_coef · aggregate(k)` of the current policy, with grad).
     """
 
     default_name = "kl"
@@ -43,9 +45,11 @@ class KLHead(Head):
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         mask = batch.response_mask
-        kl = kl_penalty(ctx.logprobs, ctx.ref_logprobs, self.estimator, response_mask=mask)  # [B, T]
         n = mask.sum().clamp(min=1)
-        metrics = {f"{self.estimator}_mean": kl.detach().sum() / n}
-        if self.placement == "advantage":
-            return HeadOutput(advantages=-kl.detach(), active_mask=mask, metrics=metrics)
-        return HeadOutput(loss=ctx.aggregate(kl, mask), metrics=metrics)
+        if self.placement == "advantage":  # KL-in-reward: of the rollout policy, fixed per batch
+            kl = kl_penalty(ctx.old_logprobs, ctx.ref_logprobs, self.estimator, response_mask=mask)
+            return HeadOutput(advantages=-kl.detach(), active_mask=mask,
+                              metrics={f"{self.estimator}_mean": kl.detach().sum() / n})
+        kl = kl_penalty(ctx.logprobs, ctx.ref_logprobs, self.estimator, response_mask=mask)  # [B, T]
+        return HeadOutput(loss=ctx.aggregate(kl, mask),
+                          metrics={f"{self.estimator}_mean": kl.detach().sum() / n})

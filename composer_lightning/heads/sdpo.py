@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.functional import generalized_jsd_per_token
+from composer_lightning.functional.chunked import chunked_generalized_jsd
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import LinearWarmup, Schedule
 from composer_lightning.step import StepContext
@@ -18,6 +18,9 @@ from composer_lightning.step import StepContext
 
 class SDPOHead(Head):
     """Generalised JSD between student and hinted-teacher logits, mean over masked tokens.
+
+    Samples whose teacher positions do not map onto the same tokens are left out (with a
+    warning), never computed on misaligned tokens.
 
     Args:
         beta: JSD interpolation in [0, 1] (0: KL(teacher‖student), 1: KL(student‖teacher)).
@@ -28,7 +31,7 @@ class SDPOHead(Head):
     """
 
     default_name = "sdpo"
-    requires = frozenset({"logits", "teacher_logits"})
+    requires = frozenset({"hidden", "teacher_hidden"})
 
     def __init__(self, weight: float = 1.0, beta: float = 0.5, temperature: float = 1.0,
                  clip: float | None = 0.05, clip_mode: str = "element", warmup_steps: int = 0,
@@ -47,23 +50,21 @@ class SDPOHead(Head):
         self.beta, self.temperature, self.clip, self.clip_mode = beta, temperature, clip, clip_mode
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
-        mask = batch.sdpo_mask & batch.has_teacher.unsqueeze(1)  # [B, T]
-        supervised = mask.any(dim=1)  # [B]
-        misaligned = supervised & ~ctx.teacher_aligned
-        zero = ctx.logits.sum() * 0.0  # keeps the graph, contributes nothing
+        supervised = batch.sdpo_mask & batch.has_teacher.unsqueeze(1)  # [B, T]
+        misaligned = supervised.any(dim=1) & ~ctx.teacher_aligned  # [B]
         if misaligned.any():
             warnings.warn(f"{self.name}: teacher positions do not align with the student's response "
-                          f"tokens in {int(misaligned.sum())} sample(s); SDPO term skipped this step",
+                          f"tokens in {int(misaligned.sum())} sample(s); their SDPO term is skipped",
                           stacklevel=2)
-            return HeadOutput(loss=zero, metrics={"skipped": 1.0, "tokens": 0.0})
-        if not mask.any():
-            return HeadOutput(loss=zero, metrics={"skipped": 0.0, "tokens": 0.0})
-        # only the supervised tokens enter the full-vocabulary divergence: [N, V]
-        per_token, capped = generalized_jsd_per_token(
-            ctx.logits[mask], ctx.teacher_logits[mask].detach(), beta=self.beta,
-            temperature=self.temperature, clip=self.clip, clip_mode=self.clip_mode,
-        )  # [N] each
-        loss = per_token.mean()
+        mask = supervised & ~misaligned.unsqueeze(1)  # [B, T]
+        # Only the supervised tokens' hidden states enter the divergence, [N, H]; the LM head
+        # is applied to them in chunks, so no [N, V] logits outlive one chunk.
+        per_token, capped = chunked_generalized_jsd(
+            ctx.hidden[mask], ctx.lm_head_weight, ctx.teacher_hidden[mask],
+            ctx.teacher_lm_head_weight, beta=self.beta, temperature=self.temperature,
+            clip=self.clip, clip_mode=self.clip_mode, chunk_size=ctx.chunk_size)  # [N] each
+        n = int(mask.sum())
+        loss = per_token.sum() / max(n, 1)  # 0, still attached to the graph, when n = 0
         return HeadOutput(loss=loss, metrics={
-            "jsd": loss.detach(), "capped_frac": capped.float().mean(),
-            "tokens": float(mask.sum()), "skipped": 0.0})
+            "jsd": loss.detach(), "capped_frac": capped.float().mean() if n else 0.0,
+            "tokens": float(n), "misaligned": float(misaligned.sum())})

@@ -18,7 +18,7 @@ from composer_lightning.heads import (
     registry,
 )
 from composer_lightning.module import ComposerModule
-from tests.helpers import tiny_model
+from tests.helpers import context, tiny_model
 
 NAMES = sorted(registry.registered())
 
@@ -27,7 +27,7 @@ NAMES = sorted(registry.registered())
 def ctx_and_batch():
     batch = synthetic_batch(torch.Generator().manual_seed(0), prompts=3, group_size=4, vocab_size=64)
     module = ComposerModule(tiny_model(), [registry.load("kl")()])
-    ctx = module._context(batch, None, set(REQUIREMENTS))
+    ctx = context(module, batch, set(REQUIREMENTS))
     return ctx, batch
 
 

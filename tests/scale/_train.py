@@ -17,6 +17,7 @@ from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
+from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.models.tiny import tiny_policy_path
@@ -27,7 +28,8 @@ kind, out = sys.argv[1], sys.argv[2]
 rollouts = kind.endswith("_rollout")
 strategy = {"ddp": DDPStrategy(process_group_backend="gloo"),
             "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)}[kind.split("_")[0]]
-heads = [DrGRPOHead(), OPDHead(weight=0.5), SDPOHead(weight=0.1), KLHead(kl_coef=0.01)]
+heads = [DrGRPOHead(), OPDHead(weight=0.5), SDPOHead(weight=0.1), KLHead(kl_coef=0.01),
+         ReplayDPOHead(weight=0.1, pairs_per_step=2)]
 callbacks, seen = [], []
 if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, prompts by rank
     policy = tiny_policy_path()

@@ -1,0 +1,250 @@
+"""Model forwards without `[B, T, V]` logits: per-token log-probs, entropies and hidden states.
+
+A forward returns the final hidden states (after the last norm); the LM head is applied to them
+in checkpointed chunks of tokens (`functional.chunked`), so peak memory grows with the chunk,
+not with T x V.
+
+FSDP2: the forward is a call of the model's root module, so the root's parameters (embeddings,
+final norm, LM head) are all-gathered by FSDP2's pre-forward hook and, as FSDP2 does for the
+root by default (`reshard_after_forward=None`), stay unsharded until the backward is done. The
+LM head weight read after the forward is therefore the full weight, its chunks' gradients
+accumulate into it, and FSDP2's post-backward reduce-scatters them with the rest of the root's.
+
+The models are HF-style causal LMs: `get_output_embeddings()` (an LM head without bias) and
+`output_hidden_states` (the last entry is the final, normed hidden state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.functional import (
+    chunked_entropy_from_hidden,
+    chunked_logprobs_from_hidden,
+)
+from composer_lightning.functional.align import teacher_alignment
+from composer_lightning.step import RolloutTargets, StepContext
+
+#: fp32 elements of one chunk's logits (64 MiB): tokens per chunk = this // V.
+CHUNK_ELEMENTS = 2**24
+
+
+def chunk_tokens(vocab_size: int, chunk_size: int | None) -> int:
+    """Tokens per LM-head chunk: `chunk_size`, or ≈ 64 MiB of fp32 logits when None."""
+    return chunk_size if chunk_size is not None else max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """`[B, T, H]` final hidden states and the `[V, H]` LM-head weight of a causal LM.
+
+    Position ids follow the attention mask (left padding). Only the last position's logits are
+    computed by the model itself (`logits_to_keep=1`).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(head, "bias", None) is not None:
+        raise TypeError(f"{type(model).__name__} must be an HF-style causal LM with an LM head "
+                        "without bias (`get_output_embeddings()`)")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    # read after the forward: under FSDP2 this is the root's unsharded weight
+    return out.hidden_states[-1], model.get_output_embeddings().weight
+
+
+@dataclass
+class TokenScores:
+    """One forward's per-token outputs, aligned with `input_ids` (column t describes token t).
+
+    Attributes:
+        logprobs: `[B, T]` log-probs of the sampling distribution (column 0 is 0).
+        entropy: `[B, T]` entropies of the distributions predicting each token, or None.
+        hidden: `[B, T, H]` row t is the hidden state that predicts token t (row 0 zeros), or
+            None.
+        lm_head_weight: `[V, H]` the LM head the logits are `hidden @ lm_head_weight.T` of.
+    """
+
+    logprobs: Tensor
+    entropy: Tensor | None
+    hidden: Tensor | None
+    lm_head_weight: Tensor
+
+
+def score_tokens(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *,
+                 temperature: float, mask: Tensor | None = None, entropy: bool = False,
+                 hidden: bool = False, chunk_size: int | None = None) -> TokenScores:
+    """Per-token log-probs (and entropies, hidden states) of `input_ids` under `model`.
+
+    Args:
+        model: an HF-style causal LM (see the module docstring).
+        input_ids: `[B, T]` token ids. attention_mask: `[B, T]`.
+        temperature: the sampling temperature (log-probs of `logits / temperature`).
+        mask: `[B, T]` the tokens whose log-probs (entropies) are computed, e.g. the response
+            tokens; the others are 0 and cost no LM-head work. None: every token.
+        entropy: also compute entropies. hidden: also return the shifted hidden states.
+        chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
+    """
+    states, weight = final_hidden(model, input_ids, attention_mask)
+    chunk = chunk_tokens(weight.shape[0], chunk_size)
+    logprobs = chunked_logprobs_from_hidden(states, weight, input_ids, temperature, chunk, mask)
+    ent = (chunked_entropy_from_hidden(states, weight, temperature, chunk, mask) if entropy
+           else None)
+    shifted = F.pad(states[:, :-1], (0, 0, 1, 0)) if hidden else None
+    return TokenScores(logprobs, ent, shifted, weight)
+
+
+def teacher_view(teacher_hidden: Tensor, teacher_logprobs: Tensor, teacher_positions: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Map a teacher forward on the hinted contexts into the student's layout.
+
+    Args:
+        teacher_hidden: `[B, T', H]` final hidden states of the teacher forward.
+        teacher_logprobs: `[B, T']` teacher log-probs of its own sequence.
+        teacher_positions: `[B, T]` teacher position of each student token, -1 where unmapped.
+
+    Returns:
+        `[B, T]` teacher log-probs of the student's tokens, `[B, T, H]` the teacher hidden state
+        predicting each student token, and `[B, T]` bool where a valid position was mapped
+        (1 <= p < T'). Unmapped or out-of-range positions give zeros, never an index error.
+    """
+    B, Tp, H = teacher_hidden.shape
+    valid = (teacher_positions >= 1) & (teacher_positions < Tp)  # [B, T]
+    safe = torch.where(valid, teacher_positions, torch.zeros_like(teacher_positions))
+    lp = teacher_logprobs.gather(1, safe)
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    h = teacher_hidden.gather(1, (safe - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, H))  # [B, T, H]
+    h = torch.where(valid.unsqueeze(-1), h, torch.zeros_like(h))
+    return lp, h, valid
+
+
+# ---------------------------------------------------------------------------- step inputs
+_TEACHER = frozenset({"teacher_logprobs", "teacher_hidden", "teacher_logits"})
+_TEACHER_HIDDEN = frozenset({"teacher_hidden", "teacher_logits"})
+
+
+@torch.no_grad()
+def rollout_targets(rb: RolloutBatch, splits: list[Tensor], needs: set[str], *, policy: nn.Module,
+                    teacher: nn.Module | None, reference: nn.Module | None, temperature: float,
+                    old: bool, snapshot_teacher_head: bool, chunk_size: int | None = None
+                    ) -> RolloutTargets:
+    """The no-grad values of a rollout batch, computed once before its first update.
+
+    Forwards run per minibatch `splits` (bounding activation memory); every rank runs the same
+    forwards whatever its data (a teacher forward runs on a one-token placeholder when the
+    batch has no hinted context), so FSDP2's collectives always match.
+
+    Args:
+        rb: the rollout batch. splits: the row indices of its minibatches.
+        needs: the union of the active heads' `requires` over this batch's updates.
+        policy, teacher, reference: the models; teacher None = the live policy.
+        temperature: the sampling temperature.
+        old: recompute the old log-probs (more than one update per rollout batch).
+        snapshot_teacher_head: copy the live policy's LM head for the teacher (it changes
+            before the last update reads the teacher hidden states).
+        chunk_size: tokens per LM-head chunk.
+    """
+    B, T = rb.input_ids.shape
+    parts: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    head_weight = None
+    want_teacher, want_hidden = bool(needs & _TEACHER), bool(needs & _TEACHER_HIDDEN)
+    for idx in splits:
+        mb = rb.select(idx)
+        if old:
+            parts.setdefault("old_logprobs", []).append((idx, score_tokens(
+                policy, mb.input_ids, mb.attention_mask, temperature=temperature,
+                mask=mb.response_mask, chunk_size=chunk_size).logprobs))
+        if "ref_logprobs" in needs:
+            parts.setdefault("ref_logprobs", []).append((idx, score_tokens(
+                reference, mb.input_ids, mb.attention_mask, temperature=temperature,
+                mask=mb.response_mask, chunk_size=chunk_size).logprobs))
+        if want_teacher:
+            lp, hidden, aligned, head_weight = _teacher(mb, teacher or policy, temperature, chunk_size)
+            parts.setdefault("teacher_logprobs", []).append((idx, lp))
+            parts.setdefault("teacher_aligned", []).append((idx, aligned))
+            if want_hidden:
+                parts.setdefault("teacher_hidden", []).append((idx, hidden))
+    out = RolloutTargets(**{k: _assemble(v, B) for k, v in parts.items()})
+    if want_hidden and (teacher is not None or snapshot_teacher_head):
+        out.teacher_lm_head_weight = head_weight.detach().clone() if teacher is None else head_weight
+    return out
+
+
+def _teacher(mb: RolloutBatch, model: nn.Module, temperature: float, chunk_size: int | None
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """ONE teacher forward on the hinted contexts, mapped into the student layout."""
+    B, T = mb.input_ids.shape
+    if mb.teacher_input_ids is None:  # nothing hinted: a placeholder keeps collectives in step
+        ids, attn = mb.input_ids[:1, :1], mb.attention_mask[:1, :1]
+    else:
+        ids, attn = mb.teacher_input_ids, mb.teacher_attention_mask
+    states, weight = final_hidden(model, ids, attn)  # [b, T', H]
+    if mb.teacher_input_ids is None:
+        zeros = states.new_zeros(B, T)
+        return zeros, states.new_zeros(B, T, states.shape[-1]), torch.zeros(B, dtype=torch.bool,
+                                                                            device=zeros.device), weight
+    lp_own = chunked_logprobs_from_hidden(states, weight, ids, temperature,
+                                          chunk_tokens(weight.shape[0], chunk_size),
+                                          mask=_mapped(mb.teacher_positions, ids.shape[1]))  # [B, T']
+    lp, hidden, _ = teacher_view(states, lp_own, mb.teacher_positions)
+    required = (mb.response_mask & mb.has_teacher.unsqueeze(1)) | mb.sdpo_mask
+    aligned = teacher_alignment(mb.input_ids, ids, mb.teacher_positions, required)
+    return lp, hidden, aligned, weight
+
+
+def _mapped(teacher_positions: Tensor, width: int) -> Tensor:
+    """`[B, T']` bool: the teacher positions some student token maps to (1 <= p < T')."""
+    valid = (teacher_positions >= 1) & (teacher_positions < width)  # [B, T]
+    out = torch.zeros(teacher_positions.shape[0], width, dtype=torch.bool,
+                      device=teacher_positions.device)
+    return out.scatter_(1, torch.where(valid, teacher_positions, 0), valid)  # p = 0 is never valid
+
+
+def _assemble(parts: list[tuple[Tensor, Tensor]], B: int) -> Tensor:
+    """Scatter per-minibatch rows back into one `[B, ...]` tensor."""
+    first = parts[0][1]
+    out = first.new_zeros((B, *first.shape[1:]))
+    for idx, value in parts:
+        out[idx] = value
+    return out
+
+
+def step_context(mb: RolloutBatch, targets: RolloutTargets, needs: set[str], *, policy: nn.Module,
+                 reference: nn.Module | None, temperature: float, entropy: bool, global_step: int,
+                 aggregation: str, norm_length: int | None, chunk_size: int | None = None
+                 ) -> StepContext:
+    """One policy forward (grad) on a minibatch plus its rows of the rollout targets."""
+    want_hidden = bool(needs & {"hidden", "logits"})
+    scores = score_tokens(policy, mb.input_ids, mb.attention_mask, temperature=temperature,
+                          mask=mb.response_mask, entropy=entropy or "entropy" in needs,
+                          hidden=want_hidden, chunk_size=chunk_size)
+    provided: dict[str, object] = {}
+    if scores.entropy is not None:
+        provided["entropy"] = scores.entropy
+    if want_hidden:
+        provided["hidden"], provided["lm_head_weight"] = scores.hidden, scores.lm_head_weight
+    for key in ("ref_logprobs", "teacher_logprobs", "teacher_aligned", "teacher_hidden"):
+        if getattr(targets, key) is not None:
+            provided[key] = getattr(targets, key)
+    if targets.teacher_hidden is not None:
+        weight = targets.teacher_lm_head_weight
+        provided["teacher_lm_head_weight"] = (weight if weight is not None
+                                              else scores.lm_head_weight.detach())
+    old = targets.old_logprobs if targets.old_logprobs is not None else scores.logprobs.detach()
+
+    def policy_forward(ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
+        return score_tokens(policy, ids, attn, temperature=temperature, mask=mask,
+                            chunk_size=chunk_size).logprobs
+
+    def reference_forward(ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
+        return score_tokens(reference, ids, attn, temperature=temperature, mask=mask,
+                            chunk_size=chunk_size).logprobs
+
+    return StepContext(global_step=global_step, logprobs=scores.logprobs, old_logprobs=old,
+                       aggregation=aggregation, norm_length=norm_length, temperature=temperature,
+                       chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),
+                       _provided=provided, _policy_forward=policy_forward,
+                       _reference_forward=reference_forward if reference is not None else None)
