@@ -31,11 +31,21 @@ def main(argv: list[str] | None = None) -> int:
         if e.error is not None:
             warnings.warn(f"head plugin {e.name!r} ({e.value}) failed to import: {e.error}", stacklevel=1)
     import lightning as L
+    from jsonargparse import ArgumentError
     from lightning.pytorch.cli import LightningCLI
 
     from composer_lightning.module import ComposerModule
 
     class ComposerCLI(LightningCLI):
+        def parse_arguments(self, parser, args) -> None:
+            # A value the parser refuses (a wrong type, a Literal option not among its choices)
+            # is a configuration error too: one line naming the key and the choices.
+            try:
+                super().parse_arguments(parser, args)
+            except ArgumentError as exc:
+                message = " ".join(str(exc).split())
+                raise SystemExit(f"composer_lightning: invalid configuration: {message}") from None
+
         def instantiate_classes(self) -> None:
             # Errors while building the configured objects are configuration errors: say what
             # is wrong in one line instead of a traceback.
@@ -45,5 +55,5 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
 
     ComposerCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
-                save_config_kwargs={"overwrite": True})
+                save_config_kwargs={"overwrite": True}, parser_kwargs={"exit_on_error": False})
     return 0

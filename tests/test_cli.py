@@ -126,8 +126,8 @@ def test_checkpoint_restores_the_rng_states():
 
 @pytest.mark.parametrize("override,message", [
     ("--model.clip_low=0", "clip_low must be in (0, 1), got 0.0"),
-    ("--model.aggregation=sum", "'sum'"),
-    ("--model.mixing=both", "mixing must be one of"),
+    ("--model.aggregation=sum", "'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'token_sum_norm']. Got value: sum"),
+    ("--model.mixing=both", "Literal['advantage', 'loss']. Got value: both"),
     ("--model.dual_clip=0.5", "dual_clip"),
 ])
 def test_bad_settings_give_a_one_line_error(override, message):
