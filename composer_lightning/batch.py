@@ -140,6 +140,22 @@ class RolloutBatch:
             kwargs[f.name] = v
         return replace(self, **kwargs)
 
+    def group_splits(self, parts: int) -> list[Tensor]:
+        """Row indices of `parts` minibatches split along group boundaries (groups never split).
+
+        Raises:
+            ValueError: a group's rows are not contiguous, or there are fewer groups than parts.
+        """
+        if parts == 1:
+            return [torch.arange(self.batch_size, device=self.input_ids.device)]
+        groups = torch.unique_consecutive(self.group_ids)
+        if len(torch.unique(self.group_ids)) != len(groups):
+            raise ValueError("minibatches > 1 needs each group's samples to be contiguous in the batch")
+        if len(groups) < parts:
+            raise ValueError(f"minibatches={parts} but the batch has only {len(groups)} groups")
+        return [torch.nonzero(torch.isin(self.group_ids, part)).flatten()
+                for part in torch.tensor_split(groups, parts)]
+
     def to(self, device: torch.device | str) -> RolloutBatch:
         kwargs: dict[str, Any] = {}
         for f in fields(self):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import random
-import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -21,15 +20,17 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from composer_lightning.batch import RolloutBatch
+from composer_lightning.callbacks.precision import AbsorbedUpdates
+from composer_lightning.canary import OutOfSyncError, check_canary
+from composer_lightning.distributed import StepMetrics, agree
 from composer_lightning.forward import rollout_targets, step_context
 from composer_lightning.heads.base import Head
-from composer_lightning.models.loading import load_causal_lm
+from composer_lightning.models.loading import frozen_model, hparams_to_ignore, load_causal_lm
+from composer_lightning.models.sharding import shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.step import RolloutTargets, StepContext
 
-
-class OutOfSyncError(RuntimeError):
-    """The engine's log-probs disagree with the trainer's: the weight push is broken."""
+__all__ = ["ComposerModule", "OutOfSyncError"]
 
 
 class ComposerModule(L.LightningModule):
@@ -58,6 +59,9 @@ class ComposerModule(L.LightningModule):
         max_grad_norm: gradient clipping norm, or None.
         max_logprob_gap: canary threshold on mean |engine − trainer| log-prob; None disables it.
         chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
+        activation_checkpointing: keep only each decoder layer's input for the backward and
+            recompute the rest (HF gradient checkpointing): far less activation memory for
+            about one more forward of the layers.
     """
 
     def __init__(
@@ -82,9 +86,10 @@ class ComposerModule(L.LightningModule):
         max_grad_norm: float | None = 1.0,
         max_logprob_gap: float | None = 0.05,
         chunk_size: int | None = None,
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=_live_objects(policy=policy, heads=heads, reference=reference,
+        self.save_hyperparameters(ignore=hparams_to_ignore(policy=policy, heads=heads, reference=reference,
                                                        teacher=teacher, optimizer=optimizer,
                                                        lr_scheduler=lr_scheduler))
         self.automatic_optimization = False
@@ -94,17 +99,19 @@ class ComposerModule(L.LightningModule):
         _check_settings(norm_length=norm_length, temperature=temperature, ppo_epochs=ppo_epochs,
                         minibatches=minibatches, max_grad_norm=max_grad_norm,
                         max_logprob_gap=max_logprob_gap, chunk_size=chunk_size)
+        self.policy_path = policy if isinstance(policy, str) else None  # engines may follow it
         self.policy = load_causal_lm(policy)
+        if activation_checkpointing:
+            self.policy.gradient_checkpointing_enable({"use_reentrant": False})
         needs_ref = any("ref_logprobs" in h.requires and h.weight > 0 for h in self.heads)
-        self.reference = _frozen(reference if reference is not None
+        self.reference = frozen_model(reference if reference is not None
                                  else copy.deepcopy(self.policy) if needs_ref else None)
-        self.teacher = _frozen(teacher)
+        self.teacher = frozen_model(teacher)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.temperature, self.chunk_size = norm_length, temperature, chunk_size
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
         self.max_grad_norm, self.max_logprob_gap = max_grad_norm, max_logprob_gap
         self.policy_version = 0
-        self._precision_checked = False
 
     @property
     def heads(self) -> list[Head]:
@@ -112,24 +119,14 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """FSDP2 under ModelParallelStrategy: shard each decoder layer and the root; with
-        `precision="bf16-mixed"`, fp32 master weights and bf16 compute (MixedPrecisionPolicy)."""
+        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`)."""
         mesh = getattr(self, "_device_mesh", None)
-        if mesh is None or getattr(self, "_fully_sharded", False):
-            return
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        if mesh is not None and not getattr(self, "_fully_sharded", False):
+            shard_fsdp2(self.policy, mesh["data_parallel"], str(self.trainer.precision))
+            self._fully_sharded = True
 
-        mp = MixedPrecisionPolicy()
-        if str(self.trainer.precision) == "bf16-mixed":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        # `output_hidden_states` (forward.py) returns the embedding output, a view; nothing
-        # modifies it in place, so FSDP2's warning about views is moot here.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        dp_mesh = mesh["data_parallel"]
-        for layer in getattr(getattr(self.policy, "model", None), "layers", []):
-            fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-        fully_shard(self.policy, mesh=dp_mesh, mp_policy=mp)
-        self._fully_sharded = True
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [AbsorbedUpdates()]  # 16-bit weights that swallow updates are reported
 
     def configure_optimizers(self) -> Any:
         opt = self.optimizer_factory(self.policy.parameters())
@@ -166,12 +163,18 @@ class ComposerModule(L.LightningModule):
             raise TypeError(f"training_step expects a RolloutBatch (or a dict with key 'rollout'), "
                             f"got {type(rb).__name__}; is the rollout callback configured?")
         opt = self.optimizers()
-        splits = self._minibatch_indices(rb)
+        splits, error = None, None
+        try:
+            splits = rb.group_splits(self.minibatches)
+        except ValueError as exc:
+            error = exc
+        agree(error=error)  # a rank that cannot split its batch stops every rank, here
         updates = self.ppo_epochs * len(splits)
         needs = set().union(*(self.objective.requirements(self.objective.weights(self.global_step + k))
                               for k in range(updates)))
         targets = self.rollout_targets(rb, needs, splits, updates)
         history: dict[str, list[float]] = defaultdict(list)
+        canary = StepMetrics()
         for update in range(updates):
             idx = splits[update % len(splits)]
             mb = rb.select(idx)
@@ -180,7 +183,7 @@ class ComposerModule(L.LightningModule):
             if update == 0:
                 if targets.old_logprobs is None:  # a single update: the current log-probs
                     targets.old_logprobs = ctx.old_logprobs
-                self._canary(rb, targets.old_logprobs, history)
+                canary = check_canary(rb, targets.old_logprobs, self.max_logprob_gap)
                 for head in self.heads:
                     head.on_rollout(rb, targets.old_logprobs)
             loss, metrics = self.objective(mb, ctx, weights)
@@ -189,70 +192,18 @@ class ComposerModule(L.LightningModule):
             if self.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
                 metrics["train/grad_norm"] = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            self._step_checking_precision(opt, metrics)
+            opt.step()
             for k, v in metrics.items():
                 history[k].append(float(v))
         sched = self.lr_schedulers()
         if sched is not None:
             sched.step()
         self.policy_version += 1
-        self.log_dict({k: sum(v) / len(v) for k, v in history.items()}, on_step=True,
-                      batch_size=rb.batch_size)
+        canary.update({k: sum(v) / len(v) for k, v in history.items()})
+        self.log_dict(agree(canary), on_step=True, batch_size=rb.batch_size)
         self.log("loss", history["train/loss"][-1], prog_bar=True, on_step=True, logger=False,
                  batch_size=rb.batch_size)
         return loss.detach()
-
-    def _step_checking_precision(self, opt: Any, metrics: dict[str, Any]) -> None:
-        """`opt.step()`; on a run's first update with 16-bit weights (`bf16-true`), measure the
-        fraction of weights whose non-zero gradient left them unchanged, and warn."""
-        half = [] if self._precision_checked else [
-            p for p in self.policy.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
-        before = [_local(p).detach().clone() for p in half]
-        opt.step()
-        if self._precision_checked or not half:
-            self._precision_checked = True
-            return
-        self._precision_checked = True
-        moved = considered = 0
-        for p, b in zip(half, before, strict=True):
-            if p.grad is None:
-                continue
-            live = _local(p.grad) != 0
-            considered += int(live.sum())
-            moved += int((live & (_local(p).detach() != b)).sum())
-        frac = 1 - moved / max(considered, 1)
-        metrics["train/absorbed_update_frac"] = frac
-        if frac > 0.1:
-            warnings.warn(f"{frac:.1%} of the policy's {half[0].dtype} weights with a non-zero "
-                          "gradient did not change in the first optimizer step: updates below half "
-                          "an ulp are absorbed by 16-bit weights. Use precision='bf16-mixed' (fp32 "
-                          "master weights, bf16 compute)", stacklevel=2)
-
-    def _canary(self, rb: RolloutBatch, old: Tensor, history: dict[str, list[float]]) -> None:
-        """|engine − trainer| log-probs on sampled tokens, before the update."""
-        if rb.engine_logprobs is None or not rb.response_mask.any():
-            return
-        gap = (rb.engine_logprobs.to(old.dtype) - old).abs()[rb.response_mask]
-        mean, worst = float(gap.mean()), float(gap.max())
-        history["rollout/logprob_gap_mean"].append(mean)
-        history["rollout/logprob_gap_max"].append(worst)
-        if self.max_logprob_gap is not None and mean > self.max_logprob_gap:
-            raise OutOfSyncError(
-                f"the engine is out of sync with the trainer: mean |engine - trainer| log-prob gap "
-                f"{mean:.4g} > max_logprob_gap={self.max_logprob_gap} (max {worst:.4g}, policy_version "
-                f"{rb.policy_version}); the weight push did not reach the engine")
-
-    def _minibatch_indices(self, rb: RolloutBatch) -> list[Tensor]:
-        """Split rows into `minibatches` parts along group boundaries (groups never split)."""
-        if self.minibatches == 1:
-            return [torch.arange(rb.batch_size, device=rb.input_ids.device)]
-        groups = torch.unique_consecutive(rb.group_ids)
-        if len(torch.unique(rb.group_ids)) != len(groups):
-            raise ValueError("minibatches > 1 needs each group's samples to be contiguous in the batch")
-        if len(groups) < self.minibatches:
-            raise ValueError(f"minibatches={self.minibatches} but the batch has only {len(groups)} groups")
-        return [torch.nonzero(torch.isin(rb.group_ids, part)).flatten()
-                for part in torch.tensor_split(groups, self.minibatches)]
 
     # ----------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -269,36 +220,6 @@ class ComposerModule(L.LightningModule):
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(state["rng"]["python"])
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (FSDP2), the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _live_objects(**args: Any) -> list[str]:
-    """Arguments to keep out of the checkpoint's hyper-parameters.
-
-    Under LightningCLI the hyper-parameters are the parsed `class_path` config (safe to load with
-    `weights_only`, and `load_from_checkpoint` rebuilds from them); built in Python, the heads,
-    models and factories are live objects, which are not stored.
-    """
-    try:
-        from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
-
-        if _given_hyperparameters.get() is not None:
-            return []
-    except ImportError:  # pragma: no cover - a Lightning without the CLI context
-        pass
-    return [k for k, v in args.items() if v is not None and not isinstance(v, (str, int, float))]
-
-
-def _frozen(model: str | nn.Module | None) -> nn.Module | None:
-    if model is None:
-        return None
-    m = load_causal_lm(model)
-    m.requires_grad_(False)
-    return m.eval()
 
 
 def _check_settings(**settings: Any) -> None:

@@ -248,7 +248,7 @@ def test_minibatches_split_along_groups_and_recompute_old_logprobs():
     head = Recording(DrGRPOHead())
     module = ComposerModule(tiny_model(), [head], minibatches=2,
                             optimizer=lambda p: torch.optim.SGD(p, lr=1.0), max_grad_norm=None)
-    parts = module._minibatch_indices(batch)
+    parts = batch.group_splits(module.minibatches)
     assert len(parts) == 2
     for part in parts:  # no group is split
         groups = set(batch.group_ids[part].tolist())
@@ -258,7 +258,7 @@ def test_minibatches_split_along_groups_and_recompute_old_logprobs():
     first, second = (float(s["log_ratio"].abs().max()) for s in head.seen)
     assert first == 0.0 and second > 1e-6
     with pytest.raises(ValueError, match="minibatches=5 but the batch has only 4 groups"):
-        ComposerModule(tiny_model(), [DrGRPOHead()], minibatches=5)._minibatch_indices(batch)
+        batch.group_splits(5)
 
 
 def test_teacher_and_kl_terms_are_fixed_for_the_whole_rollout_batch():
@@ -272,7 +272,7 @@ def test_teacher_and_kl_terms_are_fixed_for_the_whole_rollout_batch():
     module = ComposerModule(copy.deepcopy(base), [DrGRPOHead(), opd, kl], reference=tiny_model(seed=4),
                             ppo_epochs=2, minibatches=2, max_grad_norm=None,
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
-    parts = module._minibatch_indices(batch)
+    parts = batch.group_splits(module.minibatches)
     before = ComposerModule(copy.deepcopy(base), [OPDHead(), KLHead(kl_coef=0.5)],
                             reference=tiny_model(seed=4))
     expected = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,3 +25,29 @@ def load_causal_lm(spec: str | nn.Module, dtype: torch.dtype = torch.float32) ->
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).train()
+
+
+def hparams_to_ignore(**args: Any) -> list[str]:
+    """Arguments to keep out of the checkpoint's hyper-parameters.
+
+    Under LightningCLI the hyper-parameters are the parsed `class_path` config (safe to load with
+    `weights_only`, and `load_from_checkpoint` rebuilds from them); built in Python, the heads,
+    models and factories are live objects, which are not stored.
+    """
+    try:
+        from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+        if _given_hyperparameters.get() is not None:
+            return []
+    except ImportError:  # pragma: no cover - a Lightning without the CLI context
+        pass
+    return [k for k, v in args.items() if v is not None and not isinstance(v, (str, int, float))]
+
+
+def frozen_model(model: str | nn.Module | None) -> nn.Module | None:
+    """A frozen (no grad, eval mode) model from a directory or module; None stays None."""
+    if model is None:
+        return None
+    m = load_causal_lm(model)
+    m.requires_grad_(False)
+    return m.eval()

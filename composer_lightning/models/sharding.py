@@ -1,0 +1,28 @@
+"""FSDP2 sharding of a policy, with fp32 master weights under bf16 compute."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+
+def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
+    """`fully_shard` each decoder layer, then the root, over the data-parallel mesh.
+
+    With `precision="bf16-mixed"` the sharded (master) parameters and the optimizer state stay
+    fp32 while forward and backward run on bf16 copies, and gradients are reduced in fp32
+    (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if precision == "bf16-mixed":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # `output_hidden_states` (forward.py) returns the embedding output, a view; nothing modifies
+    # it in place, so FSDP2's warning about views is moot here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for layer in getattr(getattr(policy, "model", None), "layers", []):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(policy, mesh=dp_mesh, mp_policy=mp)
