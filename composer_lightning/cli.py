@@ -34,9 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     from jsonargparse import ArgumentError
     from lightning.pytorch.cli import LightningCLI
 
-    from composer_lightning.module import ComposerModule
+    from composer_lightning.callbacks.rollout import RolloutCallback
+    from composer_lightning.distributed import RankError
+    from composer_lightning.errors import ConfigError
+    from composer_lightning.module import ComposerModule, OutOfSyncError
+    from composer_lightning.tasks.base import ScoringError
 
     class ComposerCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            # The rollout side is its own section (`rollout:`, `--rollout.group_size=8`,
+            # `--rollout.engine.init_args.seed=1`), not an entry of trainer.callbacks; configs
+            # whose data module yields rollout batches itself leave it out.
+            parser.add_lightning_class_args(RolloutCallback, "rollout", subclass_mode=True,
+                                            required=False)
+
+        def _instantiate_trainer(self, config, callbacks):
+            return super()._instantiate_trainer(config, [c for c in callbacks if c is not None])
+
         def parse_arguments(self, parser, args) -> None:
             # A value the parser refuses (a wrong type, a Literal option not among its choices)
             # is a configuration error too: one line naming the key and the choices.
@@ -54,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
                 raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
 
-    ComposerCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
-                save_config_kwargs={"overwrite": True}, parser_kwargs={"exit_on_error": False})
+    try:
+        ComposerCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
+                    save_config_kwargs={"overwrite": True}, parser_kwargs={"exit_on_error": False})
+    except ConfigError as exc:  # parts that disagree, found at setup, before any engine starts
+        raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
+    except (RankError, OutOfSyncError, ScoringError) as exc:  # the run's own stops: one line
+        raise SystemExit(f"composer_lightning: {type(exc).__name__}: {exc}") from None
     return 0

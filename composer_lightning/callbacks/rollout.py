@@ -9,8 +9,10 @@ generates.
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -18,8 +20,10 @@ import torch
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.chat import TraceSample, problem_messages, single_turn_teacher
 from composer_lightning.datamodules.packing import pack_samples
-from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
+from composer_lightning.distributed import StepMetrics, agree, world
+from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.engines.weights import iter_hf_weights
+from composer_lightning.errors import ConfigError
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError, VerifierScore
 
 
@@ -27,33 +31,59 @@ class RolloutCallback(L.Callback):
     """Fresh rollouts from an inference engine every step, and the weight push after it.
 
     Args:
-        engine: the inference engine (`VLLMEngine`, `HFEngine`, or any `RolloutEngine`).
+        engine: the inference engine (`VLLMEngine`, `HFEngine`, or any `RolloutEngine`),
+            configured here and started in `setup`, once per rank, after the trainer's process
+            group and device exist. Without a model path it follows the policy's directory.
         group_size: G, samples per prompt.
         sampling: temperature (must equal the module's), top_p = 1 and top_k off for training,
-            max_tokens, stop ids (the tokenizer's eos is always added), seed.
+            max_tokens, stop ids (the tokenizer's and the model's EOS ids are always added),
+            seed (sampling seeds are a function of it, the step and the rank; None: drawn once).
         score: score provider; default the task verifier.
         hint: hint provider; None gives no teacher (no OPD/SDPO signal).
-        hint_role: role of the message that carries the hint (`user` or `system`).
+        hint_role: role of the message that carries the hint.
     """
 
     def __init__(self, engine: RolloutEngine, group_size: int = 4,
                  sampling: SamplingConfig | None = None, score: ScoreProvider | None = None,
-                 hint: HintProvider | None = None, hint_role: str = "user"):
+                 hint: HintProvider | None = None, hint_role: Literal["user", "system"] = "user"):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if hint_role not in ("user", "system"):
+            raise ValueError(f"hint_role must be 'user' or 'system', got {hint_role!r}")
         self.engine, self.group_size = engine, group_size
         self.sampling = sampling or SamplingConfig()
         self.score = score if score is not None else VerifierScore()
         self.hint, self.hint_role = hint, hint_role
         self._last_start: float | None = None
+        self._push_time = 0.0
+        self._tp_group: Any = None
+        self._base_seed = self.sampling.seed
 
-    # ------------------------------------------------------------------ sync
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    # ------------------------------------------------------------------ start and sync
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Check the configuration, then start the engine on this rank (and form its group)."""
         temperature = getattr(pl_module, "temperature", self.sampling.temperature)
         if abs(temperature - self.sampling.temperature) > 1e-12:
-            raise ValueError(f"the module's temperature ({temperature}) differs from the sampling "
-                             f"temperature ({self.sampling.temperature}); log-probs must be those of "
-                             "the sampling distribution: set both to the same value")
+            raise ConfigError(f"the module's temperature ({temperature}) differs from the sampling "
+                              f"temperature ({self.sampling.temperature}); log-probs must be those "
+                              "of the sampling distribution: set both to the same value")
+        context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
+        tp = self.engine.tensor_parallel_size
+        if context.world_size % tp:
+            raise ConfigError(f"tensor_parallel_size {tp} does not divide the world size "
+                              f"{context.world_size}")
+        if self._base_seed is None:  # a fresh draw per run, different on every rank
+            self._base_seed = int.from_bytes(os.urandom(6), "little")
+        self.engine.start(context)
+        if tp > 1:  # every rank takes part in forming every group
+            import torch.distributed as dist
+
+            for first in range(0, context.world_size, tp):
+                group = dist.new_group(list(range(first, first + tp)))
+                if first <= context.rank < first + tp:
+                    self._tp_group = group
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._push(pl_module)  # also re-syncs a resumed run from the restored weights
 
     def _push(self, pl_module: L.LightningModule) -> float:
@@ -63,37 +93,80 @@ class RolloutCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        push = self._push(pl_module)
-        pl_module.log("rollout/push_time", push, on_step=True, batch_size=1)
+        self._push_time = self._push(pl_module)  # logged with the next step's metrics
 
     # ------------------------------------------------------------------ generate
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         now = time.perf_counter()
-        if self._last_start is not None:
-            pl_module.log("time/step", now - self._last_start, on_step=True, prog_bar=True, batch_size=1)
+        metrics, rollout, error = StepMetrics(), None, None
+        if self._last_start is not None:  # the previous step, push included
+            metrics.max("time/step", now - self._last_start)
+            metrics.max("rollout/push_time", self._push_time)
         self._last_start = now
-        dm = trainer.datamodule
-        tokenizer = dm.tokenizer
-        stops = sorted(set(self.sampling.stop_token_ids) | {tokenizer.eos_token_id})
-        sampling = SamplingConfig(**{**vars(self.sampling), "stop_token_ids": stops})
-        if self.sampling.seed is not None:  # a fresh, reproducible draw every step
-            sampling.seed = self.sampling.seed + int(batch["index"])
+        try:
+            rollout = self._rollout(trainer, pl_module, batch, metrics)
+        except Exception as exc:  # every rank raises it in this step (not one rank alone)
+            error = exc
+        reduced = agree(metrics, error)
+        batch["rollout"] = rollout.to(pl_module.device)
+        trainer.datamodule.consumed = int(batch["index"]) + 1
+        pl_module.log_dict(reduced, on_step=True, batch_size=rollout.batch_size)
+        pl_module.log("reward", reduced["rollout/reward_mean"], on_step=True, prog_bar=True,
+                      logger=False, batch_size=rollout.batch_size)
+        if "time/step" in reduced:
+            pl_module.log("s/step", reduced["time/step"], on_step=True, prog_bar=True, logger=False,
+                          batch_size=1)
+
+    def _rollout(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict[str, Any],
+                 metrics: StepMetrics) -> RolloutBatch:
+        tokenizer = trainer.datamodule.tokenizer
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        sampling = replace(self.sampling, stop_token_ids=sorted(set(self.sampling.stop_token_ids) | set(eos)))
         start = time.perf_counter()
-        outs = self.engine.generate(batch["prompt_ids"], n=self.group_size, sampling=sampling)
+        outs = self._generate(batch["prompt_ids"], sampling, int(batch["index"]))
         gen_time = time.perf_counter() - start
+        self.engine.sleep()  # frees the device for the update (CUDA sleep mode), else nothing
         if self.engine.weight_version != pl_module.policy_version:
             raise RuntimeError(f"engine weight version {self.engine.weight_version} != policy version "
                                f"{pl_module.policy_version}: the push did not happen")
-        rollout, metrics = self.build(batch, outs, tokenizer, sampling.max_tokens)
+        rollout, local = self.build(batch, outs, tokenizer, sampling.max_tokens)
         rollout.policy_version = self.engine.weight_version
-        metrics["rollout/gen_time"] = gen_time
-        metrics["rollout/tokens_per_s"] = metrics.pop("_tokens") / max(gen_time, 1e-9)
-        batch["rollout"] = rollout.to(pl_module.device)
-        dm.consumed = int(batch["index"]) + 1
-        pl_module.log_dict(metrics, on_step=True, batch_size=rollout.batch_size)
-        pl_module.log("reward", metrics["rollout/reward_mean"], on_step=True, prog_bar=True,
-                      logger=False, batch_size=rollout.batch_size)
+        tokens = local.pop("_tokens")
+        n_rewarded = local.pop("_rewarded")
+        for name, value in local.items():
+            if name.startswith("dispatch/") or name.endswith("_failures"):
+                metrics.sum(name, value)
+            elif name.endswith("_max"):
+                metrics.max(name, value)
+            elif name.startswith("rollout/reward"):
+                metrics.mean(name, value, weight=n_rewarded)  # a mean over all ranks' samples
+            else:
+                metrics.mean(name, value, weight=len(outs) * self.group_size)
+        metrics.max("rollout/gen_time", gen_time)
+        metrics.sum("rollout/tokens_per_s", tokens / max(gen_time, 1e-9))
+        return rollout
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, step: int
+                  ) -> list[list[Completion]]:
+        """Generate this rank's prompts; with tensor parallelism the ranks of a group generate
+        their gathered prompts together (as TRL's colocate mode does) and keep their own."""
+        rank, size = world()
+        tp = self.engine.tensor_parallel_size
+        mine = prompts
+        if tp > 1:
+            import torch.distributed as dist
+
+            parts: list[list[list[int]]] = [None] * tp  # type: ignore[list-item]
+            dist.all_gather_object(parts, prompts, group=self._tp_group)
+            offset = sum(len(p) for p in parts[: rank % tp])
+            prompts = [p for part in parts for p in part]
+        # Seeds never repeat across steps or ranks: the call of group c at step s uses
+        # base + (s * groups + c) * stride, and vLLM seeds prompt i, sample j with seed + i*G + j.
+        stride = max(len(prompts), 1) * self.group_size
+        seed = self._base_seed + (step * (size // tp) + rank // tp) * stride
+        outs = self.engine.generate(prompts, n=self.group_size, sampling=replace(sampling, seed=seed))
+        return outs if tp == 1 else outs[offset: offset + len(mine)]
 
     def _sample(self, tokenizer: Any, problem: dict[str, Any], prompt: list[int], c: Completion,
                 hint: str | None) -> TraceSample:
@@ -147,6 +220,7 @@ class RolloutCallback(L.Callback):
             "rollout/score_failures": float(failures),
             "rollout/hint_failures": float(getattr(self.hint, "failures", 0)),
             "_tokens": float(sum(lengths)),
+            "_rewarded": float(len(rewarded)),
         }
         for provider in (self.score, self.hint):  # counts are per step
             if getattr(provider, "failures", 0):

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.chat import problem_messages, tokenize_prompt
 from composer_lightning.datamodules.jsonl import read_jsonl, stream_positions
+from composer_lightning.distributed import data_parallel
 from composer_lightning.tasks import Task, get_task
 
 
@@ -52,7 +53,8 @@ class RolloutDataModule(L.LightningDataModule):
     """Tokenised prompt batches from a built-in task or a JSONL prompt file.
 
     Args:
-        tokenizer: local directory of the tokenizer (with a chat template), usually the policy's.
+        tokenizer: local directory of the tokenizer (with a chat template); None: the policy's
+            directory (`ComposerModule.policy_path`).
         task: task short name (`arithmetic`, `reverse`) or dotted class path; its verifier
             scores the rollouts. With a prompt file it is the verifier of lines without `task`.
         task_args: keyword arguments of the task's constructor.
@@ -61,7 +63,8 @@ class RolloutDataModule(L.LightningDataModule):
         seed: seed of the prompt stream.
     """
 
-    def __init__(self, tokenizer: str, task: str | None = "arithmetic", task_args: dict | None = None,
+    def __init__(self, tokenizer: str | None = None, task: str | None = "arithmetic",
+                 task_args: dict | None = None,
                  prompt_file: str | None = None, prompts_per_step: int = 8, seed: int = 0):
         super().__init__()
         if task is None and prompt_file is None:
@@ -80,6 +83,12 @@ class RolloutDataModule(L.LightningDataModule):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
+            if self.tokenizer_path is None:  # follow the policy's directory
+                module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+                self.tokenizer_path = getattr(module, "policy_path", None)
+                if self.tokenizer_path is None:
+                    raise ValueError("RolloutDataModule needs a tokenizer directory: the policy "
+                                     "is not a model directory it could follow")
             if not os.path.isdir(self.tokenizer_path):
                 raise FileNotFoundError(f"tokenizer directory {self.tokenizer_path!r} not found")
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
@@ -87,10 +96,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _rank(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return data_parallel(trainer) if trainer is not None else (0, 1)
 
     def problems(self, index: int) -> list[dict[str, Any]]:
-        """The problems of prompt batch `index` on this rank."""
+        """The problems of prompt batch `index` on this data-parallel rank."""
         rank, world = self._rank()
         P = self.prompts_per_step
         if self.file_problems is None:

@@ -26,6 +26,7 @@ from composer_lightning.batch import RolloutBatch
 from composer_lightning.chat import multi_turn_sample
 from composer_lightning.datamodules.jsonl import read_jsonl, stream_positions
 from composer_lightning.datamodules.packing import pack_samples
+from composer_lightning.distributed import data_parallel
 
 
 def _trace_problem(obj: dict[str, Any]) -> str | None:
@@ -88,7 +89,10 @@ class TraceDataModule(L.LightningDataModule):
         self.consumed = 0
 
     def batch(self, index: int) -> RolloutBatch:
-        start = index * self.batch_size
+        """Rollout batch `index` of this data-parallel rank (ranks read disjoint traces)."""
+        trainer = getattr(self, "trainer", None)
+        rank, size = data_parallel(trainer) if trainer is not None else (0, 1)
+        start = (index * size + rank) * self.batch_size
         picks = stream_positions(start, start + self.batch_size, len(self.samples), self.seed)
         rollout = pack_samples([self.samples[i] for i in picks], rewards=[self.rewards[i] for i in picks],
                                group_ids=list(range(len(picks))), pad_id=self.tokenizer.pad_token_id or 0,

@@ -23,8 +23,10 @@ class SamplingConfig:
         top_p: nucleus mass in (0, 1]; keep 1.0 for training rollouts.
         top_k: keep the k most likely tokens; None (or 0) is off; keep off for training.
         max_tokens: the most tokens generated per completion (≥ 1).
-        stop_token_ids: generation stops after any of these (the stop token is kept).
+        stop_token_ids: generation stops after any of these (the stop token is kept), and
+            after any EOS id the model declares.
         seed: a seed for reproducible sampling; None draws fresh randomness.
+        ignore_eos: do not stop at the model's EOS ids (fixed-length benchmarks).
     """
 
     temperature: float = 1.0
@@ -33,6 +35,7 @@ class SamplingConfig:
     max_tokens: int = 32
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -44,6 +47,10 @@ class SamplingConfig:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    def stops(self, eos_token_ids: list[int]) -> list[int]:
+        """The ids that end a completion: `stop_token_ids` plus the model's EOS ids."""
+        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids)))
 
     @property
     def top_k_or_none(self) -> int | None:
@@ -66,28 +73,116 @@ class Completion:
     finish_reason: Literal["stop", "length"]
 
 
+@dataclass(frozen=True)
+class EngineContext:
+    """Where an engine runs, known only once the trainer's process group and device exist.
+
+    Attributes:
+        rank: global rank. world_size: number of ranks. local_rank: rank on this node.
+        device: the rank's device ("cpu", "cuda:1").
+        model_path: the policy's directory, for an engine configured without one.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    model_path: str | None = None
+
+    @classmethod
+    def current(cls, model_path: str | None = None) -> EngineContext:
+        """This process's place in the default process group (one process without one)."""
+        import os
+
+        import torch.distributed as dist
+
+        rank, size = (dist.get_rank(), dist.get_world_size()) if (
+            dist.is_available() and dist.is_initialized()) else (0, 1)
+        local = int(os.environ.get("LOCAL_RANK", rank if size > 1 else 0))
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return cls(rank, size, local, device, model_path)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the rollout callback needs from an inference engine."""
+    """What the rollout callback needs from an inference engine.
+
+    An engine is configured when the config is parsed (cheap, validated) and started with
+    `start` once the trainer's process group and device exist (the rollout callback's `setup`);
+    `generate` and `load_weights` start it with `EngineContext.current()` if nobody did.
+    """
+
+    def start(self, context: EngineContext | None = None) -> None:
+        """Build the engine (load the model) for this rank; a second call does nothing."""
+        ...
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
-        """Sample `n` completions of each prompt; `result[i]` holds those of `prompts[i]`."""
+        """Sample `n` completions of each prompt; `result[i]` holds those of `prompts[i]`.
+
+        Generation stops at the model's own EOS ids (its `generation_config`) and at
+        `sampling.stop_token_ids`.
+        """
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Replace the engine's weights (HF names), set `weight_version`, reset the cache."""
+        """Replace the engine's weights (HF names), set `weight_version`, reset the cache.
+
+        `weights` is consumed one tensor at a time and never held whole.
+        """
         ...
 
     def reset_cache(self) -> None:
         """Drop cached prefixes (KV) computed with older weights."""
         ...
 
+    def sleep(self) -> None:
+        """Free what the engine holds on the device while the trainer updates (or nothing)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo `sleep` before the next push or generation (or nothing)."""
+        ...
+
     @property
     def weight_version(self) -> int:
         """The version of the weights the engine currently samples with."""
         ...
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks that generate together (1: every rank generates alone)."""
+        ...
+
+
+def model_eos_ids(model_path: str | None = None, generation_config: object = None) -> list[int]:
+    """The EOS ids a model declares (`generation_config.json`, else `config.json`).
+
+    Qwen and Llama-3 instruct models declare several; generation must stop at any of them.
+    """
+    cfg = generation_config
+    if cfg is None and model_path is not None:
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            cfg = GenerationConfig.from_pretrained(model_path)
+        except OSError:  # no generation_config.json
+            cfg = AutoConfig.from_pretrained(model_path)
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return []
+    return sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])})
+
+
+def check_model_dir(model_path: str | None, owner: str) -> None:
+    """A configuration error naming the path unless it is a local HF model directory."""
+    import os
+
+    if model_path is not None and not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(
+            f"{owner}: model directory {model_path!r} not found or has no config.json; expected "
+            "a local HF model directory (nothing is downloaded from a hub)")
 
 
 def check_prompts(prompts: list[list[int]], n: int) -> None:

@@ -13,7 +13,15 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from composer_lightning.engines.base import Completion, SamplingConfig, check_prompts, resolve_seed
+from composer_lightning.engines.base import (
+    Completion,
+    EngineContext,
+    SamplingConfig,
+    check_model_dir,
+    check_prompts,
+    model_eos_ids,
+    resolve_seed,
+)
 from composer_lightning.engines.weights import hf_name
 
 
@@ -21,10 +29,11 @@ class HFEngine:
     """Sample with `transformers` `generate` on a private copy of the policy.
 
     Args:
-        model_path: a saved HF causal LM (used when `model` is None).
-        model: a module to copy (deep copy; not an FSDP-sharded one).
+        model_path: a saved HF causal LM; None: the policy's directory (given by the rollout
+            callback at `start`), or `model`.
+        model: a module to copy (deep copy, at once; not an FSDP-sharded one).
         dtype: the engine copy's dtype ("float32", "bfloat16", ...).
-        device: where the engine copy lives.
+        device: where the engine copy lives; None: the rank's device.
         seed: seeds the engine's own generator, used when `SamplingConfig.seed` is None.
     """
 
@@ -33,36 +42,67 @@ class HFEngine:
         model_path: str | None = None,
         model: nn.Module | None = None,
         dtype: str = "float32",
-        device: str = "cpu",
+        device: str | None = None,
         seed: int = 0,
     ) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
-
-        if (model_path is None) == (model is None):
-            raise ValueError("pass exactly one of model_path or model")
-        torch_dtype = getattr(torch, dtype)
-        if model is None:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-        else:
-            model = copy.deepcopy(model)
-        self.model = model.to(device=device, dtype=torch_dtype).eval().requires_grad_(False)
-        # A clean generation config: the checkpoint's defaults (eos, top_k=50, penalties)
-        # would otherwise leak into sampling.
-        self.model.generation_config = GenerationConfig()
-        self.device = torch.device(device)
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        if model_path is not None and model is not None:
+            raise ValueError("pass at most one of model_path or model")
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"HFEngine: dtype {dtype!r} is not a torch dtype name")
+        check_model_dir(model_path, "HFEngine")
+        self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        self._source, self._device = model, device
+        self.model: nn.Module | None = None
         self._rng = torch.Generator().manual_seed(seed)
         self._version = 0
+        if model is not None:  # a given module is copied now, as it is
+            self.start(EngineContext(device=device or "cpu"))
+
+    def start(self, context: EngineContext | None = None) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        context = context or EngineContext.current()
+        torch_dtype = getattr(torch, self.dtype)
+        if self._source is not None:
+            model = copy.deepcopy(self._source)
+        else:
+            path = self.model_path or context.model_path
+            if path is None:
+                raise ValueError("HFEngine needs model_path (or model): the policy is not a "
+                                 "model directory it could follow")
+            check_model_dir(path, "HFEngine")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        self.eos_token_ids = model_eos_ids(generation_config=model.generation_config)
+        self.device = torch.device(self._device or context.device)
+        self.model = model.to(device=self.device, dtype=torch_dtype).eval().requires_grad_(False)
+        # A clean generation config: the checkpoint's defaults (top_k=50, penalties) would
+        # otherwise leak into sampling; its EOS ids are kept above.
+        self.model.generation_config = GenerationConfig()
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._source = None
 
     @property
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1
+
     def reset_cache(self) -> None:
         """No-op: `generate` keeps no KV cache between calls."""
 
+    def sleep(self) -> None:
+        """No-op: the copy stays where it is."""
+
+    def wake_up(self) -> None:
+        """No-op."""
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.start()
         for name, tensor in weights:
             key = hf_name(name)
             if key not in self._params:
@@ -78,6 +118,7 @@ class HFEngine:
         check_prompts(prompts, n)
         if not prompts:
             return []
+        self.start()
         seed = resolve_seed(sampling, self._rng)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
@@ -87,7 +128,7 @@ class HFEngine:
     def _generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
-        stops = sampling.stop_token_ids
+        stops = sampling.stops(self.eos_token_ids)
         pad_id = stops[0] if stops else 0
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

