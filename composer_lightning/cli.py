@@ -21,6 +21,16 @@ def list_heads(stream=sys.stdout) -> int:
     return 0
 
 
+def _one_line(error: BaseException) -> str:
+    """A parser or constructor error as one line: for a value that matched none of a union's
+    types (e.g. `class_path | None`), the errors of the types it was meant to be."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    causes = [line[2:] for line in lines if line.startswith("- ") and "NoneType" not in line]
+    if lines and lines[0].startswith("Does not validate against any of the Union") and causes:
+        return "; ".join(causes)
+    return " ".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "heads":
@@ -57,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 super().parse_arguments(parser, args)
             except ArgumentError as exc:
-                message = " ".join(str(exc).split())
-                raise SystemExit(f"composer_lightning: invalid configuration: {message}") from None
+                raise SystemExit(f"composer_lightning: invalid configuration: {_one_line(exc)}") from None
 
         def instantiate_classes(self) -> None:
             # Errors while building the configured objects are configuration errors: say what
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 super().instantiate_classes()
             except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
-                raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
+                raise SystemExit(f"composer_lightning: invalid configuration: {_one_line(exc)}") from None
 
     try:
         ComposerCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,

@@ -135,3 +135,39 @@ def test_bad_settings_give_a_one_line_error(override, message):
     assert out.returncode != 0
     assert "invalid configuration" in out.stderr and message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--model.heads.weight=-1", None),  # replaced below: negative weight of the first head
+    ("--rollout.sampling.temperature=0.7",
+     "the module's temperature (1.0) differs from the sampling temperature (0.7)"),
+    ("--data.init_args.prompt_file=/nonexistent/prompts.jsonl", "/nonexistent/prompts.jsonl"),
+    ("--rollout.engine.init_args.model_path=/nonexistent/model",
+     "VLLMEngine: model directory '/nonexistent/model' not found"),
+    ("--model.policy=Qwen/Qwen2.5-0.5B", "model directory 'Qwen/Qwen2.5-0.5B' not found"),
+])
+def test_configuration_errors_of_the_main_job_are_one_line_before_any_engine_starts(
+        override, message, tmp_path):
+    """The vLLM main job with one bad value: one line naming it, no traceback, no engine."""
+    config = ROOT / "configs" / "tiny_cpu.yaml"
+    if message is None:  # a negative head weight and duplicate head names, via an edited YAML
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(config.read_text().replace("init_args: {weight: 0.5}", "init_args: {weight: -0.5}"))
+        config, override, message = bad, f"--trainer.default_root_dir={tmp_path}", \
+            "opd: weight must be finite and >= 0, got -0.5"
+    out = run_cli("fit", "--config", str(config), override, f"--trainer.default_root_dir={tmp_path}")
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.startswith("composer_lightning:")]
+    assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "Repo id" not in out.stderr
+    assert "Initializing a V1 LLM engine" not in out.stdout + out.stderr
+
+
+def test_duplicate_head_names_are_one_line(tmp_path):
+    cfg = (ROOT / "configs" / "synthetic_demo.yaml").read_text()
+    bad = tmp_path / "dupes.yaml"
+    bad.write_text(cfg.replace("init_args: {weight: 1.0}\n    - class_path: composer_lightning.heads.opd.OPDHead",
+                               "init_args: {weight: 1.0, name: same}\n    - class_path: composer_lightning.heads.opd.OPDHead\n      init_args: {name: same}\n    - class_path: composer_lightning.heads.opd.OPDHead", 1))
+    out = run_cli("fit", "--config", str(bad))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "invalid configuration: duplicate head names ['same']" in out.stderr, out.stderr[-2000:]

@@ -58,15 +58,26 @@ def test_cli_run_resumes_from_its_last_checkpoint(tmp_path):
     assert "Restored all states" in second.stdout + second.stderr
 
 
-def test_two_rank_fsdp2_main_job_keeps_every_rank_engine_in_sync(tmp_path):
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory) -> dict[int, dict[str, list[float]]]:
+    """configs/tiny_cpu_fsdp2.yaml for 3 steps, with vLLM tensor parallelism 1 and 2."""
+    runs = {}
+    for tp in (1, 2):
+        out_dir = tmp_path_factory.mktemp(f"fsdp2_tp{tp}")
+        out = run_cli("fit", "--config", str(ROOT / "configs" / "tiny_cpu_fsdp2.yaml"),
+                      "--trainer.max_steps=3", f"--trainer.default_root_dir={out_dir}",
+                      f"--trainer.logger.init_args.save_dir={out_dir}",
+                      f"--rollout.engine.init_args.llm_kwargs={{tensor_parallel_size: {tp}}}")
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[tp] = _scalars(out_dir)
+    return runs
+
+
+def test_two_rank_fsdp2_main_job_keeps_every_rank_engine_in_sync(fsdp2_runs):
     """configs/tiny_cpu_fsdp2.yaml: 2 CPU processes, FSDP2, one in-process vLLM engine per rank
-    on vLLM's external_launcher over the trainer's gloo group, all four heads. The logged gap is
-    the max over both ranks, so every rank's engine is in sync after every push."""
-    out = run_cli("fit", "--config", str(ROOT / "configs" / "tiny_cpu_fsdp2.yaml"),
-                  "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}",
-                  f"--trainer.logger.init_args.save_dir={tmp_path}")
-    assert out.returncode == 0, out.stderr[-4000:]
-    s = _scalars(tmp_path)
+    on vLLM's external_launcher over the trainer's gloo group, all four heads. Every rank's
+    mean gap (the canary) stays below 1e-5 after every push; counts are summed over ranks."""
+    s = fsdp2_runs[1]
     assert len(s["rollout/logprob_gap_worst_rank"]) == 3
     assert max(s["rollout/logprob_gap_worst_rank"]) < 1e-5  # each rank's mean gap
     assert max(s["rollout/logprob_gap_max"]) < 1e-4  # any token of either rank
@@ -74,3 +85,13 @@ def test_two_rank_fsdp2_main_job_keeps_every_rank_engine_in_sync(tmp_path):
         s["dispatch/dropped"][0] == 2 * 8 * 4  # both ranks' 8 prompts x G = 4, summed
     for tag in ("sdpo/weight", "replay_dpo/buffer_size", "opd/adv_mean", "train/loss"):
         assert tag in s, tag
+
+
+def test_tensor_parallel_groups_generate_together_and_keep_their_own_samples(fsdp2_runs):
+    """vLLM tp = 2: both ranks feed one engine their gathered prompts and keep their own
+    prompts' samples. Seeds depend on (step, rank, prompt, sample) alone, so the rollouts, and
+    with them the whole run, equal the tp = 1 run's."""
+    one, two = fsdp2_runs[1], fsdp2_runs[2]
+    assert max(two["rollout/logprob_gap_worst_rank"]) < 1e-5
+    for tag in ("rollout/reward_mean", "dispatch/opd_rl", "rollout/response_length_mean"):
+        assert two[tag] == one[tag], tag
