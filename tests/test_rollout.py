@@ -180,3 +180,36 @@ def test_a_judge_with_unparsable_output_gives_no_score_end_to_end():
     m = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert m["dispatch/opd_rl"] == 0 and m["dispatch/rl_only"] == 0
     assert m["dispatch/opd_only"] + m["dispatch/dropped"] == 8 and m["dispatch/opd_only"] > 0
+
+
+@pytest.mark.parametrize("world,tp", [(1, 1), (4, 1), (4, 2)])
+def test_sampling_seeds_never_repeat_across_steps_or_ranks(world, tp):
+    """Each call uses seeds [seed, seed + prompts × G): the ranges of different (step, group)
+    never overlap, and the ranks of one tensor-parallel group share theirs."""
+    from composer_lightning.callbacks.rollout import sampling_seed
+
+    P, G = 3 * tp, 4  # prompts in one call: a tensor-parallel group gathers its ranks' prompts
+    used: dict[int, tuple[int, int]] = {}
+    for step in range(6):
+        for rank in range(world):
+            seed = sampling_seed(7, step, rank, world, tp, P, G)
+            if rank % tp:
+                assert seed == sampling_seed(7, step, rank - rank % tp, world, tp, P, G)
+                continue
+            for s in range(seed, seed + P * G):
+                assert s not in used, (step, rank, used[s])
+                used[s] = (step, rank)
+
+
+def test_trace_batches_are_sharded_by_data_parallel_rank():
+    from types import SimpleNamespace
+
+    from composer_lightning.datamodules.traces import TraceDataModule
+    from tests.test_cli import ROOT
+
+    seen = []
+    for rank in (0, 1):
+        dm = TraceDataModule(POLICY, str(ROOT / "examples" / "traces" / "tool_traces.jsonl"), batch_size=2)
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, strategy=None)
+        seen.append([tuple(row.tolist()) for row in dm.batch(0).input_ids])
+    assert not set(seen[0]) & set(seen[1])

@@ -27,6 +27,19 @@ from composer_lightning.errors import ConfigError
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError, VerifierScore
 
 
+def sampling_seed(base: int, step: int, rank: int, world_size: int, tensor_parallel_size: int,
+                  prompts: int, group_size: int) -> int:
+    """The seed of one generate call: never repeated across steps or ranks.
+
+    Engines seed prompt i, sample j of a call with `seed + i * G + j`, so a call uses the seeds
+    `[seed, seed + prompts * G)`; the call of tensor-parallel group c at step s starts at
+    `base + (s * groups + c) * prompts * G`, so no two calls' ranges overlap, and the ranks of
+    one group (which must sample identically) share it.
+    """
+    groups = world_size // tensor_parallel_size
+    return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
+
+
 class RolloutCallback(L.Callback):
     """Fresh rollouts from an inference engine every step, and the weight push after it.
 
@@ -161,10 +174,7 @@ class RolloutCallback(L.Callback):
             dist.all_gather_object(parts, prompts, group=self._tp_group)
             offset = sum(len(p) for p in parts[: rank % tp])
             prompts = [p for part in parts for p in part]
-        # Seeds never repeat across steps or ranks: the call of group c at step s uses
-        # base + (s * groups + c) * stride, and vLLM seeds prompt i, sample j with seed + i*G + j.
-        stride = max(len(prompts), 1) * self.group_size
-        seed = self._base_seed + (step * (size // tp) + rank // tp) * stride
+        seed = sampling_seed(self._base_seed, step, rank, size, tp, len(prompts), self.group_size)
         outs = self.engine.generate(prompts, n=self.group_size, sampling=replace(sampling, seed=seed))
         return outs if tp == 1 else outs[offset: offset + len(mine)]
 

@@ -55,7 +55,7 @@ def logprob_gaps(model, prompts, results, temperature) -> list[float]:
 def check_shapes(engine, policy) -> dict:
     assert isinstance(engine, RolloutEngine)
     stops = list(range(32))  # 1/16 of the vocabulary: some completions stop, some run out
-    sampling = SamplingConfig(max_tokens=12, stop_token_ids=stops, seed=3)
+    sampling = SamplingConfig(max_tokens=12, stop_token_ids=stops, seed=3, ignore_eos=True)
     result = engine.generate(PROMPTS, 4, sampling)
     assert len(result) == len(PROMPTS)
     reasons = []
@@ -75,12 +75,31 @@ def check_shapes(engine, policy) -> dict:
             reasons.append(c.finish_reason)
     assert {"stop", "length"} <= set(reasons), reasons
     # top-k / top-p: processed log-probs of sampled tokens stay finite
-    truncated = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, max_tokens=6, seed=4)
+    truncated = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, max_tokens=6, seed=4,
+                               ignore_eos=True)
     for completions in engine.generate(PROMPTS[:2], 2, truncated):
         for c in completions:
             assert len(c.token_ids) == 6 and all(math.isfinite(lp) for lp in c.logprobs)
     assert engine.generate([], 2, sampling) == []
     return {"finish_reasons": {r: reasons.count(r) for r in set(reasons)}}
+
+
+def check_model_eos(engine, policy) -> dict:
+    """Generation stops at every EOS id the model declares (the fixture declares 32), with no
+    stop id configured; `ignore_eos` runs past them."""
+    eos = policy.generation_config.eos_token_id
+    assert isinstance(eos, list) and len(eos) > 1, eos
+    stopped_on = set()
+    for completions in engine.generate(PROMPTS, 8, SamplingConfig(max_tokens=12, seed=5)):
+        for c in completions:
+            assert not any(t in eos for t in c.token_ids[:-1]), "generated past a model EOS id"
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] in eos
+                stopped_on.add(c.token_ids[-1])
+    assert len(stopped_on) >= 2, f"stopped only on {stopped_on}"
+    ignoring = SamplingConfig(max_tokens=12, seed=5, ignore_eos=True)
+    assert all(len(c.token_ids) == 12 for r in engine.generate(PROMPTS, 2, ignoring) for c in r)
+    return {"stopped_on": sorted(stopped_on)}
 
 
 def check_trainer_agreement(engine, policy) -> dict:
@@ -148,6 +167,7 @@ def check_bad_requests(engine, policy) -> dict:
 
 CHECKS = {
     "shapes": check_shapes,
+    "model_eos": check_model_eos,
     "trainer_agreement": check_trainer_agreement,
     "push": check_push,
     "determinism": check_determinism,
