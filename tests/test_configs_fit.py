@@ -5,6 +5,7 @@ the engine in sync over several steps."""
 from __future__ import annotations
 
 import glob
+import json
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,11 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
     out = run_cli("fit", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--trainer.max_steps=4",
                   f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-4000:]
+    lines = (out.stdout + out.stderr).splitlines()  # quiet: a summary, the plain progress lines
+    assert len(lines) <= 15, "\n".join(lines)
+    assert not any(word in out.stdout + out.stderr for word in ("Traceback", " INFO ", " WARNING ",
+                                                                  "Epoch 0", "v_num"))
+    assert lines[0].startswith("composer_lightning: policy") and "step 4/4  reward" in out.stdout
     s = _scalars(tmp_path)
     assert len(s["rollout/logprob_gap_max"]) == 4
     assert max(s["rollout/logprob_gap_max"]) < 1e-5  # every push reached the engine (fp32)
@@ -44,6 +50,10 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
                 "train/loss", "rollout/push_time", "rollout/tokens_per_s"):
         assert tag in s, tag
     assert glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    (samples,) = glob.glob(str(tmp_path / "**" / "rollouts.jsonl"), recursive=True)
+    rows = [json.loads(line) for line in open(samples)]
+    assert rows and set(rows[0]) == {"step", "prompt", "completion", "reward", "hint"}
+    assert glob.glob(str(tmp_path / "**" / "curves.png"), recursive=True)
 
 
 def test_cli_run_resumes_from_its_last_checkpoint(tmp_path):

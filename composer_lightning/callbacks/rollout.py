@@ -9,6 +9,7 @@ generates.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import replace
@@ -18,6 +19,7 @@ import lightning as L
 import torch
 
 from composer_lightning.batch import RolloutBatch
+from composer_lightning.callbacks.samples import write_samples
 from composer_lightning.chat import TraceSample, problem_messages, single_turn_teacher
 from composer_lightning.datamodules.packing import pack_samples
 from composer_lightning.distributed import StepMetrics, agree, world
@@ -40,6 +42,9 @@ def sampling_seed(base: int, step: int, rank: int, world_size: int, tensor_paral
     return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
 
 
+log = logging.getLogger(__name__)
+
+
 class RolloutCallback(L.Callback):
     """Fresh rollouts from an inference engine every step, and the weight push after it.
 
@@ -54,11 +59,16 @@ class RolloutCallback(L.Callback):
         score: score provider; default the task verifier.
         hint: hint provider; None gives no teacher (no OPD/SDPO signal).
         hint_role: role of the message that carries the hint.
+        samples_every_n_steps: every this many steps, `samples_per_step` of rank 0's samples
+            (prompt, completion, reward, hint) go to `rollouts.jsonl` in the run directory and
+            to TensorBoard's TEXT tab; 0 turns this off.
+        samples_per_step: samples written each time.
     """
 
     def __init__(self, engine: RolloutEngine, group_size: int = 4,
                  sampling: SamplingConfig | None = None, score: ScoreProvider | None = None,
-                 hint: HintProvider | None = None, hint_role: Literal["user", "system"] = "user"):
+                 hint: HintProvider | None = None, hint_role: Literal["user", "system"] = "user",
+                 samples_every_n_steps: int = 10, samples_per_step: int = 4):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if hint_role not in ("user", "system"):
@@ -67,6 +77,11 @@ class RolloutCallback(L.Callback):
         self.sampling = sampling or SamplingConfig()
         self.score = score if score is not None else VerifierScore()
         self.hint, self.hint_role = hint, hint_role
+        if samples_every_n_steps < 0 or samples_per_step < 0:
+            raise ValueError(f"samples_every_n_steps ({samples_every_n_steps}) and samples_per_step "
+                             f"({samples_per_step}) must be >= 0")
+        self.samples_every_n_steps, self.samples_per_step = samples_every_n_steps, samples_per_step
+        self._samples: list[dict[str, Any]] = []
         self._last_start: float | None = None
         self._push_time = 0.0
         self._tp_group: Any = None
@@ -122,6 +137,9 @@ class RolloutCallback(L.Callback):
         except Exception as exc:  # every rank raises it in this step (not one rank alone)
             error = exc
         reduced = agree(metrics, error)
+        every = self.samples_every_n_steps
+        if every and trainer.global_step % every == 0:
+            write_samples(trainer, trainer.global_step, self._samples)
         batch["rollout"] = rollout.to(pl_module.device)
         trainer.datamodule.consumed = int(batch["index"]) + 1
         pl_module.log_dict(reduced, on_step=True, batch_size=rollout.batch_size)
@@ -148,7 +166,7 @@ class RolloutCallback(L.Callback):
         tokens = local.pop("_tokens")
         n_rewarded = local.pop("_rewarded")
         for name, value in local.items():
-            if name.startswith("dispatch/") or name.endswith("_failures"):
+            if name.startswith("dispatch/") or name.endswith(("_failures", "_truncated")):
                 metrics.sum(name, value)
             elif name.endswith("_max"):
                 metrics.max(name, value)
@@ -219,6 +237,13 @@ class RolloutCallback(L.Callback):
                                engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs
                                                 for k in keep])
         lengths = [len(flat[k][1].token_ids) for k in range(len(flat))]
+        # the first sample of each of the first prompts: one row per prompt
+        self._samples = [{"prompt": problem_messages(flat_problems[k])[-1]["content"],
+                          "completion": texts[k], "reward": scores[k], "hint": hints[k]}
+                         for k in range(0, len(flat), self.group_size)][: self.samples_per_step]
+        if failures:
+            log.warning("rollout batch %s: %d of %d score calls failed (one line each above); "
+                        "those samples get no reward", batch["index"], failures, len(flat))
         rewarded = torch.tensor([scores[k] for k in range(len(flat)) if has_reward[k]], dtype=torch.float)
         metrics = {
             **{k: float(v) for k, v in counts.items()},
@@ -229,11 +254,14 @@ class RolloutCallback(L.Callback):
             "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
             "rollout/score_failures": float(failures),
             "rollout/hint_failures": float(getattr(self.hint, "failures", 0)),
+            "rollout/judge_truncated": float(getattr(self.score, "truncated", 0)
+                                             + getattr(self.hint, "truncated", 0)),
             "_tokens": float(sum(lengths)),
             "_rewarded": float(len(rewarded)),
         }
         for provider in (self.score, self.hint):  # counts are per step
-            if getattr(provider, "failures", 0):
-                provider.failures = 0
+            for count in ("failures", "truncated"):
+                if getattr(provider, count, 0):
+                    setattr(provider, count, 0)
         return rollout, metrics
 
