@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.callbacks.precision import AbsorbedUpdates
+from composer_lightning.callbacks.stop import CheckpointOnStop
 from composer_lightning.canary import OutOfSyncError, check_canary
 from composer_lightning.distributed import StepMetrics, agree
 from composer_lightning.forward import rollout_targets, step_context
@@ -44,7 +46,9 @@ class ComposerModule(L.LightningModule):
         teacher: frozen teacher model; by default the live policy (no grad) on hinted contexts.
         optimizer: optimizer factory over the policy's parameters.
         lr_scheduler: optional scheduler factory, stepped once per rollout batch.
-        clip_low: PPO ε_low. clip_high: PPO ε_high. dual_clip: dual-clip c > 1, or None.
+        clip_low: PPO ε_low, in (0, 1).
+        clip_high: PPO ε_high (> 0; DAPO's clip-higher).
+        dual_clip: dual-clip constant c > 1 for negative advantages, or None.
         aggregation: how per-token losses are reduced (`token_sum_norm` = Σ / (B · norm_length),
             the Dr. GRPO normaliser).
         norm_length: `token_sum_norm`'s length; default the batch's `max_response_length`.
@@ -53,9 +57,10 @@ class ComposerModule(L.LightningModule):
         mixing: `advantage` (one surrogate on the mixed advantage) or `loss` (one per term).
         variance_matching: name of a reference advantage head; every advantage term is rescaled
             by σ(reference) / σ(term) over its active tokens (detached). None disables it.
-        ppo_epochs: passes over each rollout batch. minibatches: optimizer steps per pass.
-            Every optimizer step counts as one `trainer.global_step` (so `max_steps` and head
-            schedules count optimizer steps: rollout batches × ppo_epochs × minibatches).
+        ppo_epochs: passes over each rollout batch.
+        minibatches: optimizer steps per pass, split along groups. Every optimizer step counts
+            as one `trainer.global_step`: `max_steps` and head schedules count optimizer steps
+            (rollout batches × ppo_epochs × minibatches).
         max_grad_norm: gradient clipping norm, or None.
         max_logprob_gap: canary threshold on mean |engine − trainer| log-prob; None disables it.
         chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
@@ -126,7 +131,8 @@ class ComposerModule(L.LightningModule):
             self._fully_sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
-        return [AbsorbedUpdates()]  # 16-bit weights that swallow updates are reported
+        # always on: 16-bit weights that swallow updates are reported; a signal loses nothing
+        return [AbsorbedUpdates(), CheckpointOnStop()]
 
     def configure_optimizers(self) -> Any:
         opt = self.optimizer_factory(self.policy.parameters())
@@ -214,9 +220,14 @@ class ComposerModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("composer", {})
         self.policy_version = state.get("policy_version", 0)
+        saved, names = state.get("heads", {}), {h.name for h in self.heads}
+        dropped, fresh = sorted(set(saved) - names), sorted(names - set(saved))
+        if dropped or fresh:
+            warnings.warn(f"resuming with other heads than the checkpoint's: the saved state of "
+                          f"{dropped} is dropped, {fresh} start fresh", stacklevel=2)
         for head in self.heads:
-            if head.name in state.get("heads", {}):
-                head.load_state_dict(state["heads"][head.name])
+            if head.name in saved:
+                head.load_state_dict(saved[head.name])
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(state["rng"]["python"])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import sys
 from types import SimpleNamespace
 
+import lightning as L
 import torch
 from torch import Tensor, nn
 
@@ -91,3 +93,10 @@ def teacher_logits_for(logprobs_target: Tensor, teacher_ids: Tensor, first_respo
         row[teacher_ids[0, p]] = q
         probs[0, p - 1] = row
     return probs.log()
+
+
+class StepMarker(L.Callback):
+    """A callback (for CLI runs in tests) that prints `STEP <global_step>` after every step."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        print(f"STEP {trainer.global_step}", file=sys.stderr, flush=True)

@@ -171,3 +171,13 @@ def test_duplicate_head_names_are_one_line(tmp_path):
     out = run_cli("fit", "--config", str(bad))
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "invalid configuration: duplicate head names ['same']" in out.stderr, out.stderr[-2000:]
+
+
+def test_resuming_with_other_heads_warns_naming_the_dropped_state():
+    from composer_lightning.heads.sdpo import SDPOHead
+
+    checkpoint: dict = {}
+    _module().on_save_checkpoint(checkpoint)  # dr_grpo + replay_dpo (a buffer)
+    other = ComposerModule(tiny_model(torch.float32), [DrGRPOHead(), SDPOHead()], max_logprob_gap=None)
+    with pytest.warns(UserWarning, match=r"the saved state of \['replay_dpo'\] is dropped, \['sdpo'\] start fresh"):
+        other.on_load_checkpoint(checkpoint)
