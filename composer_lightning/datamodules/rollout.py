@@ -23,17 +23,31 @@ from composer_lightning.distributed import data_parallel
 from composer_lightning.tasks import Task, get_task
 
 
-def _prompt_problem(obj: dict[str, Any]) -> str | None:
-    try:
-        problem_messages(obj)
-    except ValueError:
-        return "needs 'prompt' (a string) or 'messages' (a list of {role, content})"
-    return None
+def read_prompt_file(path: str, task: str | None = None) -> list[dict[str, Any]]:
+    """Problems from a JSONL file: one `{"prompt": ...}` or `{"messages": [...]}` per line,
+    plus the fields its task's verifier reads (a line's `task`, else `task`), checked here so
+    that a missing field is one error naming the file and line, not a failure per rollout."""
+    tasks: dict[str, Task] = {}
 
+    def check(obj: dict[str, Any]) -> str | None:
+        try:
+            problem_messages(obj)
+        except ValueError:
+            return "needs 'prompt' (a string) or 'messages' (a list of {role, content})"
+        name = obj.get("task", task)
+        if name is None:
+            return None
+        if name not in tasks:
+            try:
+                tasks[name] = get_task(name)
+            except (KeyError, ValueError, ImportError) as err:
+                return f"unknown task {name!r} ({err})"
+        missing = [f for f in tasks[name].required_fields if f not in obj]
+        if missing:
+            return f"the {name!r} verifier needs field(s) {missing}; this line has {sorted(obj)}"
+        return None
 
-def read_prompt_file(path: str) -> list[dict[str, Any]]:
-    """Problems from a JSONL file: one `{"prompt": ...}` or `{"messages": [...]}` per line."""
-    return read_jsonl(path, "prompt", _prompt_problem)
+    return read_jsonl(path, "prompt", check)
 
 
 class PromptStream(IterableDataset):
@@ -73,7 +87,7 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         self.tokenizer_path, self.task_name, self.prompt_file = tokenizer, task, prompt_file
         self.task: Task | None = get_task(task, **(task_args or {})) if task is not None else None
-        self.file_problems = read_prompt_file(prompt_file) if prompt_file is not None else None
+        self.file_problems = read_prompt_file(prompt_file, task) if prompt_file is not None else None
         self.prompts_per_step, self.seed = prompts_per_step, seed
         self.consumed = 0  # prompt batches handed to training (the stream position)
         self._tokenizer = None

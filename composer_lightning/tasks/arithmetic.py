@@ -70,6 +70,7 @@ class Arithmetic(Task):
     """
 
     name = "arithmetic"
+    required_fields = ("answer",)
 
     def __init__(
         self,

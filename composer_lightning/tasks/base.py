@@ -51,6 +51,8 @@ class Task(ABC):
     """
 
     name: str = "task"
+    #: Fields of a problem the verifier reads besides "messages" (checked when prompts load).
+    required_fields: tuple[str, ...] = ()
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Problem:
@@ -142,9 +144,10 @@ class _VerifierBase:
         for i, (problem, completion) in enumerate(zip(problems, completions, strict=True)):
             try:
                 out.append(self._task_for(problem).verify(problem, completion))
-            except Exception:  # a broken verifier must not crash the batch
+            except Exception as exc:  # a broken verifier must not crash the batch
                 self.failures += 1
-                logger.exception("verifier raised on sample %d; it gets no score/hint", i)
+                logger.warning("verifier raised on sample %d (it gets no score/hint): %s: %s", i,
+                               type(exc).__name__, exc)
                 out.append(None)
         return out
 
@@ -176,15 +179,20 @@ class VerifierHint(_VerifierBase, HintProvider):
 class FunctionScore(ScoreProvider):
     """Scores with a plain reward function `fn(problem, completion) -> float`.
 
-    Values are clipped to [0, 1]; a call that raises or returns a non-finite value gives None
-    for that sample and is counted in `failures`.
+    Any finite reward is used as it is (group advantages need no [0, 1] range); `clip` bounds
+    it when asked. A call that raises or returns a non-finite value gives None for that sample,
+    one warning line, and counts in `failures`.
 
     Args:
         fn: the reward function.
+        clip: optional `(low, high)` bounds the rewards are clipped to.
     """
 
-    def __init__(self, fn: Callable[[Problem, str], float]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[Problem, str], float],
+                 clip: tuple[float, float] | None = None) -> None:
+        if clip is not None and not clip[0] <= clip[1]:
+            raise ValueError(f"FunctionScore: clip must be (low, high) with low <= high, got {clip}")
+        self.fn, self.clip = fn, clip
         self.failures = 0
 
     def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
@@ -195,9 +203,10 @@ class FunctionScore(ScoreProvider):
                 value = float(self.fn(problem, completion))
                 if value != value or value in (float("inf"), float("-inf")):
                     raise ValueError(f"reward function returned {value}")
-                out.append(min(1.0, max(0.0, value)))
-            except Exception:
+                out.append(value if self.clip is None else min(self.clip[1], max(self.clip[0], value)))
+            except Exception as exc:
                 self.failures += 1
-                logger.exception("reward function raised on sample %d; it gets no score", i)
+                logger.warning("reward function raised on sample %d (it gets no score): %s: %s", i,
+                               type(exc).__name__, exc)
                 out.append(None)
         return out

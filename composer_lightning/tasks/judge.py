@@ -1,14 +1,17 @@
 """LLM-judge score and hint providers: m votes per sample through a rollout engine.
 
-Each sample is shown to a judge model `votes` times (one `engine.generate(..., n=votes)` call
-for the whole batch) with a prompt template shipped in `tasks/templates/`. Placeholders
-`{prompt}` (the problem's chat as "role: content" lines), `{answer}` (the problem's "answer"
-field, or empty) and `{response}` are substituted literally (no `str.format`, so braces in the
-text are safe).
+Each sample is shown to a judge model `votes` times with a prompt template shipped in
+`tasks/templates/`. The judge is either a served model (`OpenAIEngine`: any OpenAI-compatible
+server, e.g. `vllm serve`; chat messages in, text out, the server applies its chat template) or
+a local engine (`generate` on token ids, with the judge's tokenizer). Placeholders `{prompt}`
+(the problem's chat as "role: content" lines), `{answer}` (the problem's "answer" field, or
+empty) and `{response}` are substituted in one pass, literally: a placeholder inside the
+substituted text (a task prompt that mentions "{response}") stays as it is.
 
-Parsing (case-insensitive, the first match in a vote decides):
-- Score votes: ``SCORE: +1`` / ``SCORE: 1`` → +1, ``SCORE: -1`` → −1; anything else (no
-  "SCORE:", "SCORE: 0", "SCORE: 0.5", "SCORE: 10") is no vote.
+Parsing (case-insensitive):
+- Score votes: the *last* ``SCORE:`` in a vote decides, as the template asks for it at the end:
+  ``SCORE: +1`` / ``SCORE: 1`` → +1, ``SCORE: -1`` → −1; anything else (no "SCORE:",
+  "SCORE: 0", "SCORE: 0.5", "SCORE: 10") is no vote.
 - Hint votes: the text after the first ``HINT:`` up to the end of the vote, stripped. Empty
   text or "none" / "n/a" (any case, trailing period allowed) is no hint.
 
@@ -17,7 +20,8 @@ Aggregation over the m votes of a sample (m counts every vote, parsable or not):
   −1 it is 0.0; otherwise None (no usable score: `has_reward=False`).
 - Hint: accepted when strictly more than m/2 votes produced a hint; the accepted hint is the
   longest of them (the first such vote on ties). Otherwise None (`has_teacher=False`).
-If the engine raises, every sample of the call gets None and is counted in `failures`.
+If the engine raises, every sample of the call gets None and is counted in `failures`. Votes
+cut off by `max_tokens` are counted in `truncated` (logged as `rollout/judge_truncated`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import re
 from importlib import resources
 from typing import Any
 
-from composer_lightning.engines.base import RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import ChatEngine, RolloutEngine, SamplingConfig
 from composer_lightning.tasks.base import HintProvider, Problem, ScoreProvider
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ _SCORE = re.compile(r"SCORE:\s*([+-]?)\s*1(?!\d|\.\d)", re.IGNORECASE)
 _ANY_SCORE = re.compile(r"SCORE:", re.IGNORECASE)
 _HINT = re.compile(r"HINT:(.*)", re.IGNORECASE | re.DOTALL)
 _NO_HINT = {"none", "n/a", "na", "no hint"}
+_PLACEHOLDER = re.compile(r"\{(prompt|answer|response)\}")
 
 
 def load_template(name: str) -> str:
@@ -44,11 +49,11 @@ def load_template(name: str) -> str:
 
 
 def parse_score(text: str) -> int | None:
-    """+1, −1, or None for one judge vote; only the first "SCORE:" counts."""
-    first = _ANY_SCORE.search(text)
-    if first is None:
+    """+1, −1, or None for one judge vote; only the last "SCORE:" counts."""
+    found = list(_ANY_SCORE.finditer(text))
+    if not found:
         return None
-    m = _SCORE.match(text, first.start())
+    m = _SCORE.match(text, found[-1].start())
     if m is None:
         return None
     return -1 if m.group(1) == "-" else 1
@@ -95,14 +100,17 @@ class _Judge:
 
     def __init__(
         self,
-        engine: RolloutEngine,
-        tokenizer: str | Any,
+        engine: RolloutEngine | ChatEngine,
+        tokenizer: str | Any | None = None,
         votes: int = 3,
         template: str | None = None,
         sampling: SamplingConfig | None = None,
     ) -> None:
         if votes < 1:
             raise ValueError(f"votes must be >= 1, got {votes}")
+        if tokenizer is None and not isinstance(engine, ChatEngine):
+            raise ValueError("a judge on a token-id engine needs the judge model's tokenizer; "
+                             "a served judge (OpenAIEngine) does not")
         if isinstance(tokenizer, str):  # a local directory, as YAML configs give it
             from transformers import AutoTokenizer
 
@@ -118,15 +126,14 @@ class _Judge:
             )
         self.sampling = sampling
         self.failures = 0
+        self.truncated = 0
 
     def prompt_text(self, problem: Problem, completion: str) -> str:
-        """The judge's user message for one sample."""
+        """The judge's user message for one sample (placeholders replaced in one pass)."""
         chat = problem.get("messages") or [{"role": "user", "content": problem.get("prompt", "")}]
-        return (
-            self.template.replace("{prompt}", render_chat(chat))
-            .replace("{answer}", str(problem.get("answer", "")))
-            .replace("{response}", completion)
-        )
+        values = {"prompt": render_chat(chat), "answer": str(problem.get("answer", "")),
+                  "response": completion}
+        return _PLACEHOLDER.sub(lambda m: values[m.group(1)], self.template)
 
     def prompt_ids(self, text: str) -> list[int]:
         """Token ids of the judge prompt (chat template when the tokenizer has one)."""
@@ -143,30 +150,33 @@ class _Judge:
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
         if not problems:
             return []
-        prompts = [
-            self.prompt_ids(self.prompt_text(p, c))
-            for p, c in zip(problems, completions, strict=True)
-        ]
+        texts = [self.prompt_text(p, c) for p, c in zip(problems, completions, strict=True)]
         try:
-            outs = self.engine.generate(prompts, self.votes, self.sampling)
-        except Exception:
+            if isinstance(self.engine, ChatEngine):
+                outs = self.engine.chat([[{"role": "user", "content": t}] for t in texts],
+                                        self.votes, self.sampling)
+            else:
+                outs = self.engine.generate([self.prompt_ids(t) for t in texts], self.votes,
+                                            self.sampling)
+        except Exception as exc:
             self.failures += len(problems)
-            logger.exception("judge engine raised; %d samples get no judgement", len(problems))
+            logger.warning("judge engine raised (%d samples get no judgement): %s: %s",
+                           len(problems), type(exc).__name__, exc)
             return None
-        return [
-            [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
-            for group in outs
-        ]
+        self.truncated += sum(c.finish_reason == "length" for group in outs for c in group)
+        return [[c.text if c.text is not None else
+                 self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+                for group in outs]
 
 
 class LLMJudgeScore(_Judge, ScoreProvider):
     """Score provider: ±1 majority of `votes` judge calls → 1.0 / 0.0, otherwise None.
 
     Args:
-        engine: anything with `generate(prompts: list[list[int]], n, sampling)` returning
-            per prompt a list of completions with `.token_ids`.
-        tokenizer: the judge model's tokenizer, or its local directory (prompt encoding and
-            vote decoding).
+        engine: a served judge (`OpenAIEngine`: chat messages in, text out) or any engine with
+            `generate(prompts: list[list[int]], n, sampling)` (completions with `.token_ids`).
+        tokenizer: for a token-id engine, the judge model's tokenizer or its local directory
+            (prompt encoding, vote decoding); not needed for a served judge.
         votes: m, the judge calls per sample.
         template: prompt text with `{prompt}`, `{answer}`, `{response}`; default
             `templates/judge_score.txt`.

@@ -45,6 +45,7 @@ class ReverseDigits(Task):
     """
 
     name = "reverse"
+    required_fields = ("answer",)
 
     def __init__(
         self,
