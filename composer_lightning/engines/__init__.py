@@ -3,15 +3,24 @@
 `VLLMEngine` imports vLLM lazily, so this package imports without vLLM installed.
 """
 
-from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import (
+    ChatEngine,
+    Completion,
+    EngineContext,
+    RolloutEngine,
+    SamplingConfig,
+)
 from composer_lightning.engines.hf import HFEngine
+from composer_lightning.engines.openai import OpenAIEngine
 from composer_lightning.engines.vllm import VLLMEngine
 from composer_lightning.engines.weights import iter_hf_weights
 
 __all__ = [
+    "ChatEngine",
     "Completion",
     "EngineContext",
     "HFEngine",
+    "OpenAIEngine",
     "RolloutEngine",
     "SamplingConfig",
     "VLLMEngine",

@@ -66,11 +66,13 @@ class Completion:
         token_ids: generated token ids, ending with the stop token when one was hit.
         logprobs: per generated token, its log-prob under the sampling distribution.
         finish_reason: "stop" (a stop token was generated) or "length" (max_tokens reached).
+        text: the decoded text, when the engine returns text (a served model); None otherwise.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,16 @@ class RolloutEngine(Protocol):
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks that generate together (1: every rank generates alone)."""
+        ...
+
+
+@runtime_checkable
+class ChatEngine(Protocol):
+    """A model that answers chat messages with text (a served judge, e.g. `OpenAIEngine`)."""
+
+    def chat(self, conversations: list[list[dict[str, str]]], n: int, sampling: SamplingConfig
+             ) -> list[list[Completion]]:
+        """`n` replies to each conversation, as completions with `.text` and `.finish_reason`."""
         ...
 
 

@@ -59,8 +59,9 @@ class BrokenEngine:
         ("SCORE: 10", None),
         ("SCORE: 1.0", None),
         ("I think +1", None),
-        ("SCORE: maybe. SCORE: +1", None),  # only the first SCORE: counts
-        ("SCORE: -1 then SCORE: +1", -1),
+        ("SCORE: +1 ... on reflection, SCORE: maybe", None),  # only the last SCORE: counts
+        ("SCORE: -1 then SCORE: +1", 1),
+        ("I first thought SCORE: +1 but it is wrong.\nSCORE: -1", -1),
     ],
 )
 def test_parse_score(text: str, vote: int | None) -> None:
@@ -130,3 +131,36 @@ def test_judge_custom_template_and_engine_failure(tokenizer) -> None:
     assert broken.failures == 2
     with pytest.raises(ValueError):
         LLMJudgeHint(BrokenEngine(), tokenizer, votes=0)
+
+
+def test_placeholders_are_substituted_in_one_pass(tokenizer) -> None:
+    """A task prompt that mentions "{response}" (or "{answer}") keeps it: the completion is
+    spliced in only where the template asks for it."""
+    engine = ScriptedEngine(tokenizer, [["SCORE: +1"]])
+    judge = LLMJudgeScore(engine, tokenizer, votes=1, template="P {prompt} R {response} A {answer}")
+    judge.score([{"prompt": "echo {response} and {answer}", "answer": "7"}], ["42"])
+    assert judge.prompt_text({"prompt": "echo {response} and {answer}", "answer": "7"}, "42") == \
+        "P user: echo {response} and {answer} R 42 A 7"
+
+
+class ChatScript:
+    """A chat engine (the ChatEngine protocol) returning scripted texts and finish reasons."""
+
+    def __init__(self, script: list[list[tuple[str, str]]]) -> None:
+        self.script, self.calls = script, []
+
+    def chat(self, conversations, n, sampling):
+        self.calls.append((conversations, n, sampling))
+        return [[Completion([], [], reason, text=text) for text, reason in votes] for votes in self.script]
+
+
+def test_served_judge_reads_text_and_counts_truncated_votes() -> None:
+    engine = ChatScript([[("SCORE: +1", "stop"), ("SCORE: +1", "stop"), ("SCORE", "length")],
+                         [("SCORE: -1", "length"), ("SCORE: -1", "stop"), ("x", "stop")]])
+    judge = LLMJudgeScore(engine, votes=3)  # no tokenizer: the server applies its own template
+    assert judge.score([{"prompt": "1+1?"}, {"prompt": "2+2?"}], ["2", "5"]) == [1.0, 0.0]
+    (conversations, n, _), = engine.calls
+    assert n == 3 and conversations[0][0]["role"] == "user" and "1+1?" in conversations[0][0]["content"]
+    assert judge.truncated == 2
+    with pytest.raises(ValueError, match="needs the judge model's tokenizer"):
+        LLMJudgeScore(BrokenEngine(), votes=3)

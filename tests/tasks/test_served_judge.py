@@ -1,0 +1,104 @@
+"""The LLM judge against a real OpenAI-compatible server: `vllm serve` of the tiny policy on CPU,
+started on a free local port for this module and stopped after it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import lightning as L
+import pytest
+import torch
+
+from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.datamodules.rollout import RolloutDataModule
+from composer_lightning.engines import HFEngine, OpenAIEngine, SamplingConfig
+from composer_lightning.heads.dr_grpo import DrGRPOHead
+from composer_lightning.heads.opd import OPDHead
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.module import ComposerModule
+from composer_lightning.tasks import Arithmetic, LLMJudgeScore, VerifierHint
+
+pytestmark = pytest.mark.vllm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm_serve") / "server.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
+               HF_HUB_OFFLINE="1")
+    # the `vllm` console script looks up the distribution "vllm"; vllm-cpu's is "vllm-cpu"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_policy_path(),
+           "--served-model-name", "tiny-judge", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"vllm serve did not answer within 300 s:\n{log.read_text()[-3000:]}")
+        time.sleep(1)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_served_judge_votes_through_a_real_server(server) -> None:
+    engine = OpenAIEngine(server)  # the model name is read from the server
+    replies = engine.chat([[{"role": "user", "content": "What is 2 + 3?"}]] * 2, 3,
+                          SamplingConfig(max_tokens=8, seed=0))
+    assert engine.model == "tiny-judge"
+    assert [len(r) for r in replies] == [3, 3]
+    assert all(isinstance(c.text, str) and c.finish_reason in ("stop", "length") for r in replies for c in r)
+    class Recording(OpenAIEngine):
+        def chat(self, conversations, n, sampling):
+            self.replies = super().chat(conversations, n, sampling)
+            return self.replies
+
+    recording = Recording(server)
+    judge = LLMJudgeScore(recording, votes=3, sampling=SamplingConfig(max_tokens=1, seed=1))
+    problems = [Arithmetic().make(2, "+", 3), Arithmetic().make(4, "+", 4)]
+    scores = judge.score(problems, ["5", "9"])
+    assert len(scores) == 2 and all(s in (None, 0.0, 1.0) for s in scores)
+    assert judge.failures == 0
+    cut = sum(c.finish_reason == "length" for r in recording.replies for c in r)
+    assert judge.truncated == cut >= 3  # one token: most votes are cut off by max_tokens
+
+
+def test_a_rollout_step_with_a_served_judge_logs_truncated_votes(server) -> None:
+    policy = tiny_policy_path()
+    judge = LLMJudgeScore(OpenAIEngine(server), votes=3, sampling=SamplingConfig(max_tokens=4))
+    callback = RolloutCallback(HFEngine(seed=0), group_size=2, score=judge, hint=VerifierHint(),
+                               sampling=SamplingConfig(max_tokens=6, seed=0), samples_every_n_steps=0)
+    module = ComposerModule(policy, [DrGRPOHead(), OPDHead()],
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(module, RolloutDataModule(prompts_per_step=2))
+    metrics = trainer.callback_metrics
+    assert 0 <= float(metrics["rollout/judge_truncated"]) <= 2 * 2 * 3
+    assert float(metrics["rollout/score_failures"]) == 0
