@@ -7,6 +7,8 @@ expected gradient is zero.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.functional import kl_penalty
 from composer_lightning.heads.base import Head, HeadOutput
@@ -30,7 +32,8 @@ class KLHead(Head):
     default_name = "kl"
     requires = frozenset({"ref_logprobs"})
 
-    def __init__(self, kl_coef: float = 0.001, estimator: str = "k1", placement: str = "advantage",
+    def __init__(self, kl_coef: float = 0.001, estimator: Literal["k1", "k2", "k3"] = "k1",
+                 placement: Literal["advantage", "loss"] = "advantage",
                  name: str | None = None, schedule: Schedule | None = None):
         super().__init__(name=name, weight=kl_coef, schedule=schedule)
         if placement not in _PLACEMENTS:

@@ -9,7 +9,7 @@ log-probs. The buffer and its sampler are part of the checkpoint.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -25,17 +25,22 @@ class ReplayDPOHead(Head):
     """Sigmoid DPO on pairs replayed from past rollouts.
 
     Args:
-        beta: DPO temperature (> 0). label_smoothing: cDPO ε in [0, 0.5).
-        capacity: buffer size (oldest pairs are evicted). pairs_per_step: pairs sampled per step.
+        weight: the loss weight.
+        beta: DPO temperature (> 0).
+        label_smoothing: cDPO ε in [0, 0.5).
+        capacity: buffer size (oldest pairs are evicted).
+        pairs_per_step: pairs sampled per step.
         reference: `record` (trainer log-probs when recorded) or `model` (frozen reference).
         seed: seed of the sampler.
+        name: metric prefix (default `replay_dpo`).
+        schedule: optional weight schedule of the global step.
     """
 
     default_name = "replay_dpo"
     requires = frozenset({"sequence_logprobs"})
 
     def __init__(self, weight: float = 0.1, beta: float = 0.1, label_smoothing: float = 0.0,
-                 capacity: int = 1024, pairs_per_step: int = 4, reference: str = "record",
+                 capacity: int = 1024, pairs_per_step: int = 4, reference: Literal["record", "model"] = "record",
                  seed: int = 0, name: str | None = None, schedule: Schedule | None = None):
         super().__init__(name=name, weight=weight, schedule=schedule)
         if capacity < 1 or pairs_per_step < 1:

@@ -8,6 +8,7 @@ Agarwal et al. 2024; TRL `generalized_jsd_loss`), with the OPSD element-wise cli
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.functional.chunked import chunked_generalized_jsd
@@ -27,6 +28,7 @@ class SDPOHead(Head):
         temperature: τ > 0 applied to both logits inside the divergence.
         clip: cap (> 0) on each vocabulary entry's term (`clip_mode="element"`) or on the
             per-token sum (`"token"`); None disables it.
+        clip_mode: `element` (cap each vocabulary entry's term, as the OPSD code) or `token`.
         warmup_steps: linear warm-up of the weight (ignored when `schedule` is given).
     """
 
@@ -34,7 +36,7 @@ class SDPOHead(Head):
     requires = frozenset({"hidden", "teacher_hidden"})
 
     def __init__(self, weight: float = 1.0, beta: float = 0.5, temperature: float = 1.0,
-                 clip: float | None = 0.05, clip_mode: str = "element", warmup_steps: int = 0,
+                 clip: float | None = 0.05, clip_mode: Literal["element", "token"] = "element", warmup_steps: int = 0,
                  name: str | None = None, schedule: Schedule | None = None):
         if schedule is None and warmup_steps:
             schedule = LinearWarmup(warmup_steps)
