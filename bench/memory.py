@@ -1,0 +1,253 @@
+"""Peak memory and time of one training step, chunked (the module) vs full `[B, T, V]` logits.
+
+    python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2]
+
+A Qwen2.5-0.5B-wide policy (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV heads,
+tied embeddings) with 2 layers; all heads: Dr. GRPO + OPD (teacher = the policy given the
+hint) + KL in the advantage (a frozen reference copy) in one surrogate, SDPO on the hinted
+samples' response tokens, replay DPO on 4 recorded pairs. Synthetic rollout batches of B
+samples × T tokens (half prompt, response lengths uniform up to T/2, half the samples hinted).
+Activation checkpointing of the decoder layers is on in both paths (`--no-checkpointing`: off),
+so what is measured is the logits path, not the layers' activations.
+
+Each (path, shape) runs in its own process. A warm-up step on a tiny batch (4 x 32) allocates
+the optimizer state and gradients. Two figures per run:
+- "extra": peak RSS of the measured steps minus the peak RSS of the warm-up step, i.e. what the
+  step's B x T adds (activations, logits) over a step that already pays every fixed cost
+  (weights, reference, gradients, AdamW state, and the [V, H]-sized transients of the embedding
+  / LM-head gradient accumulation and of AdamW's update, which do not depend on B x T);
+- "over state": peak RSS minus the RSS after the warm-up step (weights + reference + gradients
+  + AdamW state), i.e. extra plus those fixed transients.
+The full-logits path is the same module with its forwards swapped for the reference
+full-logits functions (what the module did before it used hidden states), the same loop,
+objective and heads, with SDPO on gathered `[B, T, V]` logits. Both paths print their loss, so
+the run also checks they compute the same objective. Shapes whose full-logits step cannot fit
+in this machine's memory are estimated (marked "est.") from the smaller shape, linearly in
+B·T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from composer_lightning.datamodules.synthetic import synthetic_batch  # noqa: E402
+from composer_lightning.functional import generalized_jsd_per_token, logprobs_from_logits  # noqa: E402
+from composer_lightning.functional.align import gather_teacher_logits, teacher_alignment  # noqa: E402
+from composer_lightning.heads.base import HeadOutput  # noqa: E402
+from composer_lightning.heads.dr_grpo import DrGRPOHead  # noqa: E402
+from composer_lightning.heads.kl import KLHead  # noqa: E402
+from composer_lightning.heads.opd import OPDHead  # noqa: E402
+from composer_lightning.heads.replay_dpo import ReplayDPOHead  # noqa: E402
+from composer_lightning.heads.sdpo import SDPOHead  # noqa: E402
+from composer_lightning.module import ComposerModule  # noqa: E402
+from composer_lightning.step import RolloutTargets, StepContext  # noqa: E402
+
+QWEN_WIDTHS = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+GiB = 2**30
+
+
+def rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ------------------------------------------------------------------ one measured process
+def logits_of(model, ids, mask):
+    """`[B, T, V]` logits the plain way."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+
+
+class FullLogitsModule(ComposerModule):
+    """ComposerModule with every forward on full `[B, T, V]` logits (one update per batch)."""
+
+    def rollout_targets(self, rb, needs, splits=None, updates=1):
+        with torch.no_grad():
+            ref = logprobs_from_logits(logits_of(self.reference, rb.input_ids, rb.attention_mask),
+                                       rb.input_ids, self.temperature)
+            t_logits = logits_of(self.policy, rb.teacher_input_ids, rb.teacher_attention_mask)
+            t_lp = logprobs_from_logits(t_logits, rb.teacher_input_ids, self.temperature)
+            pos = rb.teacher_positions
+            lp = torch.where(pos >= 1, t_lp.gather(1, pos.clamp(min=0)), torch.zeros_like(t_lp[:, :1]))
+            required = (rb.response_mask & rb.has_teacher.unsqueeze(1)) | rb.sdpo_mask
+            aligned = teacher_alignment(rb.input_ids, rb.teacher_input_ids, pos, required)
+            self._teacher_logits = gather_teacher_logits(t_logits, pos)  # [B, T, V]
+        return RolloutTargets(ref_logprobs=ref, teacher_logprobs=lp, teacher_aligned=aligned)
+
+    def step_context(self, mb, needs, targets=None):
+        logits = logits_of(self.policy, mb.input_ids, mb.attention_mask)  # [B, T, V]
+        logprobs = logprobs_from_logits(logits, mb.input_ids, self.temperature)
+        shifted = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
+        provided = {"ref_logprobs": targets.ref_logprobs, "teacher_logprobs": targets.teacher_logprobs,
+                    "teacher_aligned": targets.teacher_aligned, "logits": shifted,
+                    "teacher_logits": self._teacher_logits}
+
+        def policy_forward(ids, attn, mask):
+            return logprobs_from_logits(logits_of(self.policy, ids, attn), ids, self.temperature)
+
+        return StepContext(global_step=self.global_step, logprobs=logprobs,
+                           old_logprobs=logprobs.detach(), aggregation=self.objective.aggregation,
+                           norm_length=mb.max_response_length, temperature=self.temperature,
+                           _provided=provided, _policy_forward=policy_forward)
+
+
+class FullLogitsSDPO(SDPOHead):
+    """SDPO as the module computed it before: the JSD of gathered `[B, T, V]` logits."""
+
+    requires = frozenset({"logits", "teacher_logits"})
+
+    def compute(self, batch, ctx):
+        mask = batch.sdpo_mask & batch.has_teacher.unsqueeze(1) & ctx.teacher_aligned.unsqueeze(1)
+        per_token, _ = generalized_jsd_per_token(
+            ctx.logits[mask], ctx.teacher_logits[mask].detach(), beta=self.beta,
+            temperature=self.temperature, clip=self.clip, clip_mode=self.clip_mode)
+        return HeadOutput(loss=per_token.sum() / max(int(mask.sum()), 1))
+
+
+class Recorder(L.Callback):
+    """RSS after the warm-up step (the baseline), time and loss of every measured step."""
+
+    def __init__(self):
+        self.base, self.base_peak, self.times, self.losses = 0, 0, [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx == 1:
+            self.base, self.base_peak = rss_now(), rss_peak()
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx >= 1:
+            self.times.append(time.perf_counter() - self.t0)
+            self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def worker(path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    policy = Qwen2ForCausalLM(Qwen2Config(**QWEN_WIDTHS, max_position_embeddings=4096)).train()
+    replay = ReplayDPOHead(weight=0.05, pairs_per_step=4)
+    heads = [DrGRPOHead(), OPDHead(weight=0.5), KLHead(kl_coef=0.01),
+             (SDPOHead if path == "chunked" else FullLogitsSDPO)(weight=0.1), replay]
+    cls = ComposerModule if path == "chunked" else FullLogitsModule
+    module = cls(policy, heads, max_logprob_gap=None, activation_checkpointing=checkpointing,
+                 optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6))
+    g = torch.Generator().manual_seed(1)
+
+    def batch(b: int, t: int):
+        return synthetic_batch(g, prompts=b // 4, group_size=4, prompt_length=t // 2,
+                               response_length=t // 2, hint_length=16,
+                               vocab_size=QWEN_WIDTHS["vocab_size"], reward_prob=1.0, hint_prob=0.5)
+
+    measured = [batch(B, T) for _ in range(steps)]
+    filler = batch(B, T)  # full-length replay pairs: every group's rewards differ
+    filler.rewards = torch.arange(filler.batch_size).remainder(2).float()
+    replay.on_rollout(filler, torch.zeros_like(filler.input_ids, dtype=torch.float))
+    rec = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1 + steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[rec])
+    trainer.fit(module, train_dataloaders=DataLoader([batch(4, 32), *measured], batch_size=None))
+    return {"path": path, "B": B, "T": T,
+            "params_M": sum(p.numel() for p in policy.parameters()) / 1e6,
+            "base_GiB": rec.base / GiB, "state_extra_GiB": (rss_peak() - rec.base) / GiB,
+            "extra_GiB": (rss_peak() - rec.base_peak) / GiB,
+            "step_s": sorted(rec.times)[len(rec.times) // 2], "losses": rec.losses,
+            "tokens": sum(int(b.attention_mask.sum()) for b in measured) / steps,
+            "sdpo_tokens": sum(int(b.sdpo_mask.sum()) for b in measured) / steps}
+
+
+# ------------------------------------------------------------------ the driver
+def run(path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([sys.executable, __file__, "--worker", path, f"{B}x{T}", "--steps", str(steps),
+                           "--threads", str(threads)] + ([] if checkpointing else ["--no-checkpointing"]),
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"path": path, "B": B, "T": T, "error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["16x256", "32x512"])
+    ap.add_argument("--steps", type=int, default=2, help="measured steps per run (median time)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--memory-gib", type=float, default=None,
+                    help="memory available for one run; default: MemAvailable now")
+    ap.add_argument("--no-checkpointing", action="store_true",
+                    help="without activation checkpointing of the decoder layers (both paths)")
+    ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        B, T = map(int, args.worker[1].split("x"))
+        print(json.dumps(worker(args.worker[0], B, T, args.steps, args.threads, not args.no_checkpointing)))
+        return
+    avail = args.memory_gib or _mem_available_gib()
+    rows, first_full = [], None
+    for shape in args.shapes:
+        B, T = map(int, shape.split("x"))
+        copy_gib = B * T * QWEN_WIDTHS["vocab_size"] * 4 / GiB
+        ckpt = not args.no_checkpointing
+        chunked = run("chunked", B, T, args.steps, args.threads, ckpt)
+        full = None
+        if first_full is not None:
+            scale = B * T / (first_full["B"] * first_full["T"])
+            needed = first_full["base_GiB"] + first_full["extra_GiB"] * scale
+            if needed > 0.9 * avail:
+                full = {"path": "full", "B": B, "T": T, "est": True,
+                        "extra_GiB": first_full["extra_GiB"] * scale,
+                        "step_s": first_full["step_s"] * scale}
+        if full is None:
+            full = run("full", B, T, args.steps, args.threads, ckpt)
+            if "error" not in full and first_full is None:
+                first_full = full
+        rows.append((shape, copy_gib, chunked, full))
+        print(json.dumps({"shape": shape, "chunked": chunked, "full": full}), file=sys.stderr)
+    print(f"policy {QWEN_WIDTHS} + frozen reference copy; AdamW; {args.threads} thread(s); "
+          f"median of {args.steps} step(s); activation checkpointing "
+          f"{'off' if args.no_checkpointing else 'on'} (both paths)")
+    print("| B x T | one fp32 [B,T,V] copy | full-logits extra | chunked extra | chunked extra / copy | "
+          "chunked over state | full s/step | chunked s/step | chunked / full time | loss full | loss chunked |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for shape, copy_gib, c, f in rows:
+        est = " (est.)" if f.get("est") else ""
+        if "error" in c or "error" in f:
+            print(f"| {shape} | {copy_gib:.2f} GiB | error: {f.get('error') or c.get('error')} |")
+            continue
+        loss_f = "—" if f.get("est") else f"{f['losses'][0]:.6f}"
+        print(f"| {shape} | {copy_gib:.2f} GiB | {f['extra_GiB']:.2f} GiB{est} | {c['extra_GiB']:.3f} GiB | "
+              f"{c['extra_GiB'] / copy_gib:.3f} | {c['state_extra_GiB']:.2f} GiB | {f['step_s']:.1f}{est} | "
+              f"{c['step_s']:.1f} | {c['step_s'] / f['step_s']:.2f}{est} | {loss_f} | {c['losses'][0]:.6f} |")
+
+
+def _mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024 / GiB
+    return 16.0
+
+
+if __name__ == "__main__":
+    main()
