@@ -132,9 +132,11 @@ def push_memory_worker(model_dir: str, out_json: str, repeats: int) -> None:
     out = {"largest_param_mb": max(sizes) / 2**20, "all_params_mb": sum(sizes) / 2**20}
     # "engine_only": an unsharded module's tensors pass by reference, so the push's extra memory
     # is the engine's own (vLLM's in-place reload buffers), the floor for the others
-    for name, weights in (("engine_only", lambda: iter_hf_weights(plain)),
-                          ("streamed", lambda: iter_hf_weights(policy)),
-                          ("materialised", lambda: list(iter_hf_weights(policy)))):
+    for name, weights in (
+        ("engine_only", lambda: iter_hf_weights(plain)),
+        ("streamed", lambda: iter_hf_weights(policy)),
+        ("materialised", lambda: list(iter_hf_weights(policy))),
+    ):
         peaks = []
         for _ in range(repeats + 1):  # the first push also warms vLLM's reload path
             with PeakRSS() as peak:
@@ -148,13 +150,31 @@ def push_memory_worker(model_dir: str, out_json: str, repeats: int) -> None:
 def run_push_memory(model_dir: str, args: argparse.Namespace) -> dict:
     """`push_memory_worker` on 2 CPU ranks; rank 0's figures."""
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-        procs = [subprocess.Popen([sys.executable, __file__, "--push-worker", model_dir,
-                                   f"{tmp}/rank{r}.json", f"--repeats={args.repeats}"],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for r in (0, 1)]
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            MALLOC_MMAP_THRESHOLD_="65536",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            WORLD_SIZE="2",
+        )
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--push-worker",
+                    model_dir,
+                    f"{tmp}/rank{r}.json",
+                    f"--repeats={args.repeats}",
+                ],
+                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
         errors = [p.communicate()[1] for p in procs]
         if any(p.returncode for p in procs):
             raise RuntimeError(f"push-memory ranks failed:\n{errors[0][-3000:]}")
@@ -202,14 +222,20 @@ def _shared_args(args: argparse.Namespace) -> list[str]:
 def print_push_memory(rows) -> None:
     for name, _, _, vl, _ in rows:
         if vl and "streamed_push_extra_mb" in vl:
-            print(f"\npush of FSDP2-sharded weights (2 CPU ranks) into each rank's vLLM engine, "
-                  f"{name} model: rank 0's peak extra memory (median of the pushes after the first)")
-            print("| largest parameter | all parameters | engine's own buffers (unsharded push) | "
-                  "streamed push | materialised push |")
+            print(
+                f"\npush of FSDP2-sharded weights (2 CPU ranks) into each rank's vLLM engine, "
+                f"{name} model: rank 0's peak extra memory (median of the pushes after the first)"
+            )
+            print(
+                "| largest parameter | all parameters | engine's own buffers (unsharded push) | "
+                "streamed push | materialised push |"
+            )
             print("|---|---|---|---|---|")
-            print(f"| {vl['largest_param_mb']:.1f} MiB | {vl['all_params_mb']:.1f} MiB | "
-                  f"{vl['engine_only_push_extra_mb']:.1f} MiB | {vl['streamed_push_extra_mb']:.1f} MiB | "
-                  f"{vl['materialised_push_extra_mb']:.1f} MiB |")
+            print(
+                f"| {vl['largest_param_mb']:.1f} MiB | {vl['all_params_mb']:.1f} MiB | "
+                f"{vl['engine_only_push_extra_mb']:.1f} MiB | {vl['streamed_push_extra_mb']:.1f} MiB | "
+                f"{vl['materialised_push_extra_mb']:.1f} MiB |"
+            )
 
 
 def main() -> None:
@@ -221,8 +247,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--push-memory", action="store_true",
-                        help="also measure the peak extra memory of an FSDP2 push on 2 ranks (20M)")
+    parser.add_argument(
+        "--push-memory",
+        action="store_true",
+        help="also measure the peak extra memory of an FSDP2 push on 2 ranks (20M)",
+    )
     parser.add_argument("--push-worker", nargs=2, metavar=("MODEL_DIR", "OUT_JSON"))
     parser.add_argument("--vllm-worker", nargs=2, metavar=("MODEL_DIR", "OUT_JSON"))
     args = parser.parse_args()
@@ -292,4 +321,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

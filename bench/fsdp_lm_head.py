@@ -55,8 +55,14 @@ def worker(out: str, repeats: int) -> None:
         mm.append(time.perf_counter() - t0)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"gather_s": statistics.median(times[1:]), "chunk_s": statistics.median(mm[1:]),
-                       "chunk": chunk}, f)
+            json.dump(
+                {
+                    "gather_s": statistics.median(times[1:]),
+                    "chunk_s": statistics.median(mm[1:]),
+                    "chunk": chunk,
+                },
+                f,
+            )
     dist.barrier()
 
 
@@ -72,20 +78,33 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512",
-                   WORLD_SIZE="2")
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", out, "--repeats",
-                                   str(args.repeats)], env=dict(env, RANK=str(r)))
-                 for r in (0, 1)]
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="29512",
+            WORLD_SIZE="2",
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", out, "--repeats", str(args.repeats)],
+                env=dict(env, RANK=str(r)),
+            )
+            for r in (0, 1)
+        ]
         assert all(p.wait() == 0 for p in procs)
         r = json.load(open(out))
     chunks = -(-args.tokens // r["chunk"])
     once = r["gather_s"]
     per_chunk = 2 * chunks * r["gather_s"]  # forward and recompute; the backward's
-    compute = chunks * r["chunk_s"]        # reduce-scatters per chunk come on top
-    print(f"LM head {V} x {H} fp32 over 2 gloo ranks: one all-gather {r['gather_s']:.3f} s; "
-          f"one chunk of {r['chunk']} tokens (fwd + recompute + bwd) {r['chunk_s']:.3f} s")
-    print(f"| {args.tokens} response tokens, {chunks} chunks | gathers | gather s | LM-head compute s |")
+    compute = chunks * r["chunk_s"]  # reduce-scatters per chunk come on top
+    print(
+        f"LM head {V} x {H} fp32 over 2 gloo ranks: one all-gather {r['gather_s']:.3f} s; "
+        f"one chunk of {r['chunk']} tokens (fwd + recompute + bwd) {r['chunk_s']:.3f} s"
+    )
+    print(
+        f"| {args.tokens} response tokens, {chunks} chunks | gathers | gather s | LM-head compute s |"
+    )
     print("|---|---|---|---|")
     print(f"| unshard once (root forward) | 1 | {once:.2f} | {compute:.2f} |")
     print(f"| gather per chunk | {2 * chunks} | {per_chunk:.2f} | {compute:.2f} |")

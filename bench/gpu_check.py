@@ -50,10 +50,24 @@ from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
 from composer_lightning.module import ComposerModule  # noqa: E402
 from composer_lightning.tasks import VerifierHint  # noqa: E402
 
-QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
-SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-             intermediate_size=128, vocab_size=512, tie_word_embeddings=True)
+QWEN_05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+SMOKE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=128,
+    vocab_size=512,
+    tie_word_embeddings=True,
+)
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense
 
 
@@ -66,9 +80,14 @@ def build_model(directory: str, shape: dict, dtype: torch.dtype) -> int:
     gen = GenerationConfig.from_pretrained(tok)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, max_position_embeddings=4096,
-                                             bos_token_id=gen.bos_token_id,
-                                             eos_token_id=gen.eos_token_id))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                **shape,
+                max_position_embeddings=4096,
+                bos_token_id=gen.bos_token_id,
+                eos_token_id=gen.eos_token_id,
+            )
+        )
     model.to(dtype).save_pretrained(directory, safe_serialization=True)
     gen.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
@@ -98,20 +117,28 @@ class Report(L.Callback):
         rb = batch["rollout"]
         # per parameter: forward + backward (6) + the checkpointed layers' second forward (2) +
         # the reference forward (2) on the student tokens; the teacher forward (2) on its own
-        self.flop_tokens.append(10 * float(rb.attention_mask.sum())
-                                + 2 * float(rb.teacher_attention_mask.sum()))
+        self.flop_tokens.append(
+            10 * float(rb.attention_mask.sum()) + 2 * float(rb.teacher_attention_mask.sum())
+        )
 
 
 def report_of(rep: Report, args, params: int, engine_name: str, cuda: bool) -> dict:
     steady = rep.times[1:] or rep.times
     step_s = statistics.median(steady) if steady else float("nan")
-    flops = params * (statistics.median(rep.flop_tokens[1:] or rep.flop_tokens) if rep.flop_tokens else 0)
+    flops = params * (
+        statistics.median(rep.flop_tokens[1:] or rep.flop_tokens) if rep.flop_tokens else 0
+    )
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None) if cuda else None
     return {
-        "device": name, "engine": engine_name, "params_M": round(params / 1e6, 1),
-        "steps_done": len(rep.times), "step_s_median": round(step_s, 3),
-        "gen_tokens_per_s": round(statistics.median(rep.tok_s[1:] or rep.tok_s), 1) if rep.tok_s else None,
+        "device": name,
+        "engine": engine_name,
+        "params_M": round(params / 1e6, 1),
+        "steps_done": len(rep.times),
+        "step_s_median": round(step_s, 3),
+        "gen_tokens_per_s": round(statistics.median(rep.tok_s[1:] or rep.tok_s), 1)
+        if rep.tok_s
+        else None,
         "peak_gpu_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "mfu": round(flops / step_s / (peak * 1e12), 4) if peak and step_s == step_s else None,
         "logprob_gap_mean_per_step": [round(g, 6) for g in rep.gaps],
@@ -141,31 +168,61 @@ def main() -> None:
     threading.Thread(target=watchdog, daemon=True).start()
     P, G, max_tokens = (16, 8, 256) if not args.smoke else (2, 4, 8)
     with tempfile.TemporaryDirectory() as model_dir:
-        state["params"] = build_model(model_dir, SMOKE if args.smoke else QWEN_05B,
-                                      torch.bfloat16 if cuda else torch.float32)
+        state["params"] = build_model(
+            model_dir, SMOKE if args.smoke else QWEN_05B, torch.bfloat16 if cuda else torch.float32
+        )
         if has_vllm:
-            engine = VLLMEngine(dtype="bfloat16" if cuda else "float32", gpu_memory_utilization=0.35,
-                                enable_sleep_mode=cuda, max_model_len=1024, kv_cache_gib=1)
+            engine = VLLMEngine(
+                dtype="bfloat16" if cuda else "float32",
+                gpu_memory_utilization=0.35,
+                enable_sleep_mode=cuda,
+                max_model_len=1024,
+                kv_cache_gib=1,
+            )
             state["engine"] = "vllm " + __import__("vllm").__version__
         else:
             engine = HFEngine(dtype="bfloat16" if cuda else "float32")
             state["engine"] = "hf (vLLM is not installed here)"
-        heads = [DrGRPOHead(), OPDHead(weight=0.5), SDPOHead(weight=0.05),
-                 ReplayDPOHead(weight=0.02, pairs_per_step=4), KLHead(kl_coef=0.001)]
-        module = ComposerModule(model_dir, heads, activation_checkpointing=True,
-                                max_logprob_gap=0.1 if cuda else 0.05,
-                                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6))
+        heads = [
+            DrGRPOHead(),
+            OPDHead(weight=0.5),
+            SDPOHead(weight=0.05),
+            ReplayDPOHead(weight=0.02, pairs_per_step=4),
+            KLHead(kl_coef=0.001),
+        ]
+        module = ComposerModule(
+            model_dir,
+            heads,
+            activation_checkpointing=True,
+            max_logprob_gap=0.1 if cuda else 0.05,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6),
+        )
         trainer = L.Trainer(
-            accelerator="cuda" if cuda else "cpu", devices=1,
+            accelerator="cuda" if cuda else "cpu",
+            devices=1,
             strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
-            precision="bf16-mixed" if cuda else "32-true", max_steps=args.steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[RolloutCallback(engine, group_size=G, hint=VerifierHint(),
-                                       sampling=SamplingConfig(max_tokens=max_tokens, seed=0)), rep])
+            precision="bf16-mixed" if cuda else "32-true",
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[
+                RolloutCallback(
+                    engine,
+                    group_size=G,
+                    hint=VerifierHint(),
+                    sampling=SamplingConfig(max_tokens=max_tokens, seed=0),
+                ),
+                rep,
+            ],
+        )
         trainer.fit(module, RolloutDataModule(task="arithmetic", prompts_per_step=P))
         out = report_of(rep, args, state["params"], state["engine"], cuda)
         out["fsdp2_sharded"] = all(hasattr(p, "full_tensor") for p in module.policy.parameters())
-        out["loss_finite"] = bool(torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"]))))
+        out["loss_finite"] = bool(
+            torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"])))
+        )
         print(json.dumps(out, indent=2))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's and gloo's interpreter teardown

@@ -42,12 +42,27 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 
 def run(config: str, seed: int, extra: list[str]) -> tuple[list[float], float]:
     out = tempfile.mkdtemp(prefix=f"learning_s{seed}_")
-    cmd = [sys.executable, "-m", "composer_lightning", "fit", "--config", config,
-           f"--seed_everything={seed}", f"--data.init_args.seed={seed}",
-           f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer_lightning",
+        "fit",
+        "--config",
+        config,
+        f"--seed_everything={seed}",
+        f"--data.init_args.seed={seed}",
+        f"--trainer.default_root_dir={out}",
+        f"--trainer.logger.init_args.save_dir={out}",
+        *extra,
+    ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")),
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"seed {seed} failed:\n{proc.stderr[-4000:]}")
@@ -72,7 +87,9 @@ def main() -> None:
         se = math.sqrt(s0**2 + s1**2)
         z = (m1 - m0) / se if se > 0 else float("inf")
         ok &= (m1 - m0 >= 0.2) and z > 3
-        print(f"| {seed} | {len(r)} | {m0:.3f} | {m1:.3f} | {m1 - m0:+.3f} | {z:.1f} | {wall:.0f} |")
+        print(
+            f"| {seed} | {len(r)} | {m0:.3f} | {m1:.3f} | {m1 - m0:+.3f} | {z:.1f} | {wall:.0f} |"
+        )
     print(f"criterion (Δ ≥ 0.2 and Δ/SE > 3 on every seed): {'MET' if ok else 'NOT MET'}")
 
 

@@ -58,8 +58,15 @@ from composer_lightning.heads.sdpo import SDPOHead  # noqa: E402
 from composer_lightning.module import ComposerModule  # noqa: E402
 from composer_lightning.step import RolloutTargets, StepContext  # noqa: E402
 
-QWEN_WIDTHS = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
-                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN_WIDTHS = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=2,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 GiB = 2**30
 
 
@@ -84,12 +91,17 @@ class FullLogitsModule(ComposerModule):
 
     def rollout_targets(self, rb, needs, splits=None, updates=1):
         with torch.no_grad():
-            ref = logprobs_from_logits(logits_of(self.reference, rb.input_ids, rb.attention_mask),
-                                       rb.input_ids, self.temperature)
+            ref = logprobs_from_logits(
+                logits_of(self.reference, rb.input_ids, rb.attention_mask),
+                rb.input_ids,
+                self.temperature,
+            )
             t_logits = logits_of(self.policy, rb.teacher_input_ids, rb.teacher_attention_mask)
             t_lp = logprobs_from_logits(t_logits, rb.teacher_input_ids, self.temperature)
             pos = rb.teacher_positions
-            lp = torch.where(pos >= 1, t_lp.gather(1, pos.clamp(min=0)), torch.zeros_like(t_lp[:, :1]))
+            lp = torch.where(
+                pos >= 1, t_lp.gather(1, pos.clamp(min=0)), torch.zeros_like(t_lp[:, :1])
+            )
             required = (rb.response_mask & rb.has_teacher.unsqueeze(1)) | rb.sdpo_mask
             aligned = teacher_alignment(rb.input_ids, rb.teacher_input_ids, pos, required)
             self._teacher_logits = gather_teacher_logits(t_logits, pos)  # [B, T, V]
@@ -99,17 +111,27 @@ class FullLogitsModule(ComposerModule):
         logits = logits_of(self.policy, mb.input_ids, mb.attention_mask)  # [B, T, V]
         logprobs = logprobs_from_logits(logits, mb.input_ids, self.temperature)
         shifted = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
-        provided = {"ref_logprobs": targets.ref_logprobs, "teacher_logprobs": targets.teacher_logprobs,
-                    "teacher_aligned": targets.teacher_aligned, "logits": shifted,
-                    "teacher_logits": self._teacher_logits}
+        provided = {
+            "ref_logprobs": targets.ref_logprobs,
+            "teacher_logprobs": targets.teacher_logprobs,
+            "teacher_aligned": targets.teacher_aligned,
+            "logits": shifted,
+            "teacher_logits": self._teacher_logits,
+        }
 
         def policy_forward(ids, attn, mask):
             return logprobs_from_logits(logits_of(self.policy, ids, attn), ids, self.temperature)
 
-        return StepContext(global_step=self.global_step, logprobs=logprobs,
-                           old_logprobs=logprobs.detach(), aggregation=self.objective.aggregation,
-                           norm_length=mb.max_response_length, temperature=self.temperature,
-                           _provided=provided, _policy_forward=policy_forward)
+        return StepContext(
+            global_step=self.global_step,
+            logprobs=logprobs,
+            old_logprobs=logprobs.detach(),
+            aggregation=self.objective.aggregation,
+            norm_length=mb.max_response_length,
+            temperature=self.temperature,
+            _provided=provided,
+            _policy_forward=policy_forward,
+        )
 
 
 class FullLogitsSDPO(SDPOHead):
@@ -120,8 +142,13 @@ class FullLogitsSDPO(SDPOHead):
     def compute(self, batch, ctx):
         mask = batch.sdpo_mask & batch.has_teacher.unsqueeze(1) & ctx.teacher_aligned.unsqueeze(1)
         per_token, _ = generalized_jsd_per_token(
-            ctx.logits[mask], ctx.teacher_logits[mask].detach(), beta=self.beta,
-            temperature=self.temperature, clip=self.clip, clip_mode=self.clip_mode)
+            ctx.logits[mask],
+            ctx.teacher_logits[mask].detach(),
+            beta=self.beta,
+            temperature=self.temperature,
+            clip=self.clip,
+            clip_mode=self.clip_mode,
+        )
         return HeadOutput(loss=per_token.sum() / max(int(mask.sum()), 1))
 
 
@@ -147,42 +174,87 @@ def worker(path: str, B: int, T: int, steps: int, threads: int, checkpointing: b
     torch.manual_seed(0)
     policy = Qwen2ForCausalLM(Qwen2Config(**QWEN_WIDTHS, max_position_embeddings=4096)).train()
     replay = ReplayDPOHead(weight=0.05, pairs_per_step=4)
-    heads = [DrGRPOHead(), OPDHead(weight=0.5), KLHead(kl_coef=0.01),
-             (SDPOHead if path == "chunked" else FullLogitsSDPO)(weight=0.1), replay]
+    heads = [
+        DrGRPOHead(),
+        OPDHead(weight=0.5),
+        KLHead(kl_coef=0.01),
+        (SDPOHead if path == "chunked" else FullLogitsSDPO)(weight=0.1),
+        replay,
+    ]
     cls = ComposerModule if path == "chunked" else FullLogitsModule
-    module = cls(policy, heads, max_logprob_gap=None, activation_checkpointing=checkpointing,
-                 optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6))
+    module = cls(
+        policy,
+        heads,
+        max_logprob_gap=None,
+        activation_checkpointing=checkpointing,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6),
+    )
     g = torch.Generator().manual_seed(1)
 
     def batch(b: int, t: int):
-        return synthetic_batch(g, prompts=b // 4, group_size=4, prompt_length=t // 2,
-                               response_length=t // 2, hint_length=16,
-                               vocab_size=QWEN_WIDTHS["vocab_size"], reward_prob=1.0, hint_prob=0.5)
+        return synthetic_batch(
+            g,
+            prompts=b // 4,
+            group_size=4,
+            prompt_length=t // 2,
+            response_length=t // 2,
+            hint_length=16,
+            vocab_size=QWEN_WIDTHS["vocab_size"],
+            reward_prob=1.0,
+            hint_prob=0.5,
+        )
 
     measured = [batch(B, T) for _ in range(steps)]
     filler = batch(B, T)  # full-length replay pairs: every group's rewards differ
     filler.rewards = torch.arange(filler.batch_size).remainder(2).float()
     replay.on_rollout(filler, torch.zeros_like(filler.input_ids, dtype=torch.float))
     rec = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1 + steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[rec])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1 + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rec],
+    )
     trainer.fit(module, train_dataloaders=DataLoader([batch(4, 32), *measured], batch_size=None))
-    return {"path": path, "B": B, "T": T,
-            "params_M": sum(p.numel() for p in policy.parameters()) / 1e6,
-            "base_GiB": rec.base / GiB, "state_extra_GiB": (rss_peak() - rec.base) / GiB,
-            "extra_GiB": (rss_peak() - rec.base_peak) / GiB,
-            "step_s": sorted(rec.times)[len(rec.times) // 2], "losses": rec.losses,
-            "tokens": sum(int(b.attention_mask.sum()) for b in measured) / steps,
-            "sdpo_tokens": sum(int(b.sdpo_mask.sum()) for b in measured) / steps}
+    return {
+        "path": path,
+        "B": B,
+        "T": T,
+        "params_M": sum(p.numel() for p in policy.parameters()) / 1e6,
+        "base_GiB": rec.base / GiB,
+        "state_extra_GiB": (rss_peak() - rec.base) / GiB,
+        "extra_GiB": (rss_peak() - rec.base_peak) / GiB,
+        "step_s": sorted(rec.times)[len(rec.times) // 2],
+        "losses": rec.losses,
+        "tokens": sum(int(b.attention_mask.sum()) for b in measured) / steps,
+        "sdpo_tokens": sum(int(b.sdpo_mask.sum()) for b in measured) / steps,
+    }
 
 
 # ------------------------------------------------------------------ the driver
 def run(path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, __file__, "--worker", path, f"{B}x{T}", "--steps", str(steps),
-                           "--threads", str(threads)] + ([] if checkpointing else ["--no-checkpointing"]),
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            path,
+            f"{B}x{T}",
+            "--steps",
+            str(steps),
+            "--threads",
+            str(threads),
+        ]
+        + ([] if checkpointing else ["--no-checkpointing"]),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode != 0:
         return {"path": path, "B": B, "T": T, "error": proc.stderr.strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -193,15 +265,26 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["16x256", "32x512"])
     ap.add_argument("--steps", type=int, default=2, help="measured steps per run (median time)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--memory-gib", type=float, default=None,
-                    help="memory available for one run; default: MemAvailable now")
-    ap.add_argument("--no-checkpointing", action="store_true",
-                    help="without activation checkpointing of the decoder layers (both paths)")
+    ap.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="memory available for one run; default: MemAvailable now",
+    )
+    ap.add_argument(
+        "--no-checkpointing",
+        action="store_true",
+        help="without activation checkpointing of the decoder layers (both paths)",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         B, T = map(int, args.worker[1].split("x"))
-        print(json.dumps(worker(args.worker[0], B, T, args.steps, args.threads, not args.no_checkpointing)))
+        print(
+            json.dumps(
+                worker(args.worker[0], B, T, args.steps, args.threads, not args.no_checkpointing)
+            )
+        )
         return
     avail = args.memory_gib or _mem_available_gib()
     rows, first_full = [], None
@@ -215,20 +298,29 @@ def main() -> None:
             scale = B * T / (first_full["B"] * first_full["T"])
             needed = first_full["base_GiB"] + first_full["extra_GiB"] * scale
             if needed > 0.9 * avail:
-                full = {"path": "full", "B": B, "T": T, "est": True,
-                        "extra_GiB": first_full["extra_GiB"] * scale,
-                        "step_s": first_full["step_s"] * scale}
+                full = {
+                    "path": "full",
+                    "B": B,
+                    "T": T,
+                    "est": True,
+                    "extra_GiB": first_full["extra_GiB"] * scale,
+                    "step_s": first_full["step_s"] * scale,
+                }
         if full is None:
             full = run("full", B, T, args.steps, args.threads, ckpt)
             if "error" not in full and first_full is None:
                 first_full = full
         rows.append((shape, copy_gib, chunked, full))
         print(json.dumps({"shape": shape, "chunked": chunked, "full": full}), file=sys.stderr)
-    print(f"policy {QWEN_WIDTHS} + frozen reference copy; AdamW; {args.threads} thread(s); "
-          f"median of {args.steps} step(s); activation checkpointing "
-          f"{'off' if args.no_checkpointing else 'on'} (both paths)")
-    print("| B x T | one fp32 [B,T,V] copy | full-logits extra | chunked extra | chunked extra / copy | "
-          "chunked over state | full s/step | chunked s/step | chunked / full time | loss full | loss chunked |")
+    print(
+        f"policy {QWEN_WIDTHS} + frozen reference copy; AdamW; {args.threads} thread(s); "
+        f"median of {args.steps} step(s); activation checkpointing "
+        f"{'off' if args.no_checkpointing else 'on'} (both paths)"
+    )
+    print(
+        "| B x T | one fp32 [B,T,V] copy | full-logits extra | chunked extra | chunked extra / copy | "
+        "chunked over state | full s/step | chunked s/step | chunked / full time | loss full | loss chunked |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, copy_gib, c, f in rows:
         est = " (est.)" if f.get("est") else ""
@@ -236,9 +328,11 @@ def main() -> None:
             print(f"| {shape} | {copy_gib:.2f} GiB | error: {f.get('error') or c.get('error')} |")
             continue
         loss_f = "—" if f.get("est") else f"{f['losses'][0]:.6f}"
-        print(f"| {shape} | {copy_gib:.2f} GiB | {f['extra_GiB']:.2f} GiB{est} | {c['extra_GiB']:.3f} GiB | "
-              f"{c['extra_GiB'] / copy_gib:.3f} | {c['state_extra_GiB']:.2f} GiB | {f['step_s']:.1f}{est} | "
-              f"{c['step_s']:.1f} | {c['step_s'] / f['step_s']:.2f}{est} | {loss_f} | {c['losses'][0]:.6f} |")
+        print(
+            f"| {shape} | {copy_gib:.2f} GiB | {f['extra_GiB']:.2f} GiB{est} | {c['extra_GiB']:.3f} GiB | "
+            f"{c['extra_GiB'] / copy_gib:.3f} | {c['state_extra_GiB']:.2f} GiB | {f['step_s']:.1f}{est} | "
+            f"{c['step_s']:.1f} | {c['step_s'] / f['step_s']:.2f}{est} | {loss_f} | {c['losses'][0]:.6f} |"
+        )
 
 
 def _mem_available_gib() -> float:

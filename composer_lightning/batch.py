@@ -98,7 +98,13 @@ class RolloutBatch:
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(self.input_ids.shape)}")
         B, T = self.input_ids.shape
-        per_token = ["attention_mask", "response_mask", "sdpo_mask", "engine_logprobs", "teacher_positions"]
+        per_token = [
+            "attention_mask",
+            "response_mask",
+            "sdpo_mask",
+            "engine_logprobs",
+            "teacher_positions",
+        ]
         per_sample = ["rewards", "has_reward", "group_ids", "has_teacher"]
         for name in per_token:
             t = getattr(self, name)
@@ -112,7 +118,9 @@ class RolloutBatch:
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(t.shape)}; expected {(B,)}")
         if self.teacher_input_ids is not None:
             if self.teacher_positions is None:
-                raise ValueError("RolloutBatch.teacher_input_ids is set but teacher_positions is None")
+                raise ValueError(
+                    "RolloutBatch.teacher_input_ids is set but teacher_positions is None"
+                )
             if self.teacher_input_ids.shape[0] != B:
                 raise ValueError(
                     f"RolloutBatch.teacher_input_ids has shape {tuple(self.teacher_input_ids.shape)}; "
@@ -125,7 +133,11 @@ class RolloutBatch:
                     "RolloutBatch.teacher_attention_mask must have the shape of teacher_input_ids "
                     f"{tuple(self.teacher_input_ids.shape)}"
                 )
-        if self.teacher_input_ids is None and self.has_teacher is not None and bool(self.has_teacher.any()):
+        if (
+            self.teacher_input_ids is None
+            and self.has_teacher is not None
+            and bool(self.has_teacher.any())
+        ):
             raise ValueError("RolloutBatch.has_teacher marks samples but teacher_input_ids is None")
         if self.max_response_length <= 0:
             raise ValueError(f"max_response_length must be > 0, got {self.max_response_length}")
@@ -150,11 +162,15 @@ class RolloutBatch:
             return [torch.arange(self.batch_size, device=self.input_ids.device)]
         groups = torch.unique_consecutive(self.group_ids)
         if len(torch.unique(self.group_ids)) != len(groups):
-            raise ValueError("minibatches > 1 needs each group's samples to be contiguous in the batch")
+            raise ValueError(
+                "minibatches > 1 needs each group's samples to be contiguous in the batch"
+            )
         if len(groups) < parts:
             raise ValueError(f"minibatches={parts} but the batch has only {len(groups)} groups")
-        return [torch.nonzero(torch.isin(self.group_ids, part)).flatten()
-                for part in torch.tensor_split(groups, parts)]
+        return [
+            torch.nonzero(torch.isin(self.group_ids, part)).flatten()
+            for part in torch.tensor_split(groups, parts)
+        ]
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         kwargs: dict[str, Any] = {}
@@ -168,8 +184,12 @@ class RolloutBatch:
         return replace(self, **kwargs)
 
 
-def pad_rows(rows: list[Sequence[Any]], value: float = 0, dtype: torch.dtype = torch.long,
-             width: int | None = None) -> Tensor:
+def pad_rows(
+    rows: list[Sequence[Any]],
+    value: float = 0,
+    dtype: torch.dtype = torch.long,
+    width: int | None = None,
+) -> Tensor:
     """Right-pad variable-length rows into a `[len(rows), width]` tensor (width: the longest)."""
     width = max((len(r) for r in rows), default=0) if width is None else width
     out = torch.full((len(rows), width), value, dtype=dtype)

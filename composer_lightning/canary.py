@@ -39,7 +39,8 @@ def check_canary(rb: RolloutBatch, old: Tensor, max_logprob_gap: float | None) -
             f"the engine is out of sync with the trainer: mean |engine - trainer| log-prob gap "
             f"{worst_rank:.4g} > max_logprob_gap={max_logprob_gap} (max "
             f"{reduced['rollout/logprob_gap_max']:.4g}, policy_version {rb.policy_version}); "
-            "the weight push did not reach the engine")
+            "the weight push did not reach the engine"
+        )
     out = StepMetrics()
     out.mean("rollout/logprob_gap_mean", reduced["rollout/logprob_gap_mean"])
     out.max("rollout/logprob_gap_max", reduced["rollout/logprob_gap_max"])

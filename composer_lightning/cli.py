@@ -16,7 +16,9 @@ def list_heads(stream=sys.stdout) -> int:
     for e in entries:
         if e.error is None:
             doc = (e.cls.__doc__ or "").strip().splitlines()
-            print(f"{e.name:<{width}}  {e.class_path}  {doc[0] if doc else ''}".rstrip(), file=stream)
+            print(
+                f"{e.name:<{width}}  {e.class_path}  {doc[0] if doc else ''}".rstrip(), file=stream
+            )
         else:
             print(f"{e.name:<{width}}  {e.class_path}  FAILED TO IMPORT: {e.error}", file=stream)
     return 0
@@ -24,7 +26,9 @@ def list_heads(stream=sys.stdout) -> int:
 
 def _quiet() -> None:
     """Warnings that say nothing to a user of the command line."""
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning/torch
+    warnings.filterwarnings(
+        "ignore", message=r".*isinstance\(treespec, LeafSpec\)"
+    )  # Lightning/torch
     # the frozen reference and teacher are in eval mode on purpose
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     from transformers.utils import logging as hf_logging
@@ -38,12 +42,16 @@ def run_summary(module, trainer) -> str:
 
     params = sum(p.numel() for p in module.policy.parameters())
     heads = ", ".join(f"{h.name}×{h.weight:g}" for h in module.heads)
-    engine = next((type(c.engine).__name__ for c in trainer.callbacks if hasattr(c, "engine")), "none")
+    engine = next(
+        (type(c.engine).__name__ for c in trainer.callbacks if hasattr(c, "engine")), "none"
+    )
     steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "∞"
     where = run_dir(trainer)  # not trainer.log_dir: a collective, and this runs on rank 0
-    return (f"composer_lightning: policy {module.policy_path or type(module.policy).__name__} "
-            f"({params / 1e6:.1f}M params), heads {heads}, engine {engine}, {steps} steps, "
-            f"{trainer.world_size} process(es), logs and checkpoints in {where}")
+    return (
+        f"composer_lightning: policy {module.policy_path or type(module.policy).__name__} "
+        f"({params / 1e6:.1f}M params), heads {heads}, engine {engine}, {steps} steps, "
+        f"{trainer.world_size} process(es), logs and checkpoints in {where}"
+    )
 
 
 def _help_formatter() -> type:
@@ -84,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     # reported and the others stay usable.
     for e in registry.load_all():
         if e.error is not None:
-            warnings.warn(f"head plugin {e.name!r} ({e.value}) failed to import: {e.error}", stacklevel=1)
+            warnings.warn(
+                f"head plugin {e.name!r} ({e.value}) failed to import: {e.error}", stacklevel=1
+            )
     import lightning as L
     from jsonargparse import ArgumentError
     from lightning.pytorch.cli import LightningCLI
@@ -106,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             # The rollout side is its own section (`rollout:`, `--rollout.group_size=8`,
             # `--rollout.engine.init_args.seed=1`), not an entry of trainer.callbacks; configs
             # whose data module yields rollout batches itself leave it out.
-            parser.add_lightning_class_args(RolloutCallback, "rollout", subclass_mode=True,
-                                            required=False)
+            parser.add_lightning_class_args(
+                RolloutCallback, "rollout", subclass_mode=True, required=False
+            )
 
         def _instantiate_trainer(self, config, callbacks):
             if not config.get("default_root_dir"):  # never the working tree: runs/<config name>
@@ -129,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 super().parse_arguments(parser, args)
             except ArgumentError as exc:
-                raise SystemExit(f"composer_lightning: invalid configuration: {_one_line(exc)}") from None
+                raise SystemExit(
+                    f"composer_lightning: invalid configuration: {_one_line(exc)}"
+                ) from None
 
         def instantiate_classes(self) -> None:
             # Errors while building the configured objects are configuration errors: say what
@@ -137,15 +150,24 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 super().instantiate_classes()
             except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
-                raise SystemExit(f"composer_lightning: invalid configuration: {_one_line(exc)}") from None
+                raise SystemExit(
+                    f"composer_lightning: invalid configuration: {_one_line(exc)}"
+                ) from None
 
     try:
-        ComposerCLI(ComposerModule, L.LightningDataModule, subclass_mode_data=True, args=argv,
-                    auto_configure_optimizers=False,  # ComposerModule takes its own optimizer
-                    trainer_defaults={"callbacks": [StepProgress(), Curves()],
-                                      "enable_model_summary": False},
-                    save_config_kwargs={"overwrite": True}, parser_kwargs={"exit_on_error": False,
-                                                          "formatter_class": _help_formatter()})
+        ComposerCLI(
+            ComposerModule,
+            L.LightningDataModule,
+            subclass_mode_data=True,
+            args=argv,
+            auto_configure_optimizers=False,  # ComposerModule takes its own optimizer
+            trainer_defaults={
+                "callbacks": [StepProgress(), Curves()],
+                "enable_model_summary": False,
+            },
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"exit_on_error": False, "formatter_class": _help_formatter()},
+        )
     except ConfigError as exc:  # parts that disagree, found at setup, before any engine starts
         raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
     except (RankError, OutOfSyncError, ScoringError) as exc:  # the run's own stops: one line

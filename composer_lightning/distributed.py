@@ -75,7 +75,9 @@ class StepMetrics:
         return {name: v for name, (_, v, _) in self._values.items()}
 
 
-def agree(metrics: StepMetrics | None = None, error: BaseException | None = None) -> dict[str, float]:
+def agree(
+    metrics: StepMetrics | None = None, error: BaseException | None = None
+) -> dict[str, float]:
     """Every rank's error and metrics of this point of the step, reduced; call on every rank.
 
     Returns:
@@ -115,8 +117,11 @@ def _reduce(per_rank: list[dict[str, tuple[Kind, float, float]]]) -> dict[str, f
             out[name] = max(v for _, v, _ in entries)
         else:
             weight = sum(w for _, _, w in entries)
-            out[name] = (sum(v * w for _, v, w in entries) / weight if weight > 0
-                         else sum(v for _, v, _ in entries) / len(entries))
+            out[name] = (
+                sum(v * w for _, v, w in entries) / weight
+                if weight > 0
+                else sum(v for _, v, _ in entries) / len(entries)
+            )
     return out
 
 

@@ -39,7 +39,9 @@ def chunk_tokens(vocab_size: int, chunk_size: int | None) -> int:
     return chunk_size if chunk_size is not None else max(1, CHUNK_ELEMENTS // vocab_size)
 
 
-def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+def final_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor
+) -> tuple[Tensor, Tensor]:
     """`[B, T, H]` final hidden states and the `[V, H]` LM-head weight of a causal LM.
 
     Position ids follow the attention mask (left padding). Only the last position's logits are
@@ -47,11 +49,19 @@ def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) ->
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(head, "bias", None) is not None:
-        raise TypeError(f"{type(model).__name__} must be an HF-style causal LM with an LM head "
-                        "without bias (`get_output_embeddings()`)")
+        raise TypeError(
+            f"{type(model).__name__} must be an HF-style causal LM with an LM head "
+            "without bias (`get_output_embeddings()`)"
+        )
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
     # read after the forward: under FSDP2 this is the root's unsharded weight
     return out.hidden_states[-1], model.get_output_embeddings().weight
 
@@ -74,9 +84,17 @@ class TokenScores:
     lm_head_weight: Tensor
 
 
-def score_tokens(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *,
-                 temperature: float, mask: Tensor | None = None, entropy: bool = False,
-                 hidden: bool = False, chunk_size: int | None = None) -> TokenScores:
+def score_tokens(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    temperature: float,
+    mask: Tensor | None = None,
+    entropy: bool = False,
+    hidden: bool = False,
+    chunk_size: int | None = None,
+) -> TokenScores:
     """Per-token log-probs (and entropies, hidden states) of `input_ids` under `model`.
 
     Args:
@@ -91,14 +109,14 @@ def score_tokens(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *,
     states, weight = final_hidden(model, input_ids, attention_mask)
     chunk = chunk_tokens(weight.shape[0], chunk_size)
     logprobs = chunked_logprobs_from_hidden(states, weight, input_ids, temperature, chunk, mask)
-    ent = (chunked_entropy_from_hidden(states, weight, temperature, chunk, mask) if entropy
-           else None)
+    ent = chunked_entropy_from_hidden(states, weight, temperature, chunk, mask) if entropy else None
     shifted = F.pad(states[:, :-1], (0, 0, 1, 0)) if hidden else None
     return TokenScores(logprobs, ent, shifted, weight)
 
 
-def teacher_view(teacher_hidden: Tensor, teacher_logprobs: Tensor, teacher_positions: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+def teacher_view(
+    teacher_hidden: Tensor, teacher_logprobs: Tensor, teacher_positions: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Map a teacher forward on the hinted contexts into the student's layout.
 
     Args:
@@ -116,7 +134,9 @@ def teacher_view(teacher_hidden: Tensor, teacher_logprobs: Tensor, teacher_posit
     safe = torch.where(valid, teacher_positions, torch.zeros_like(teacher_positions))
     lp = teacher_logprobs.gather(1, safe)
     lp = torch.where(valid, lp, torch.zeros_like(lp))
-    h = teacher_hidden.gather(1, (safe - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, H))  # [B, T, H]
+    h = teacher_hidden.gather(
+        1, (safe - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, H)
+    )  # [B, T, H]
     h = torch.where(valid.unsqueeze(-1), h, torch.zeros_like(h))
     return lp, h, valid
 
@@ -127,10 +147,19 @@ _TEACHER_HIDDEN = frozenset({"teacher_hidden", "teacher_logits"})
 
 
 @torch.no_grad()
-def rollout_targets(rb: RolloutBatch, splits: list[Tensor], needs: set[str], *, policy: nn.Module,
-                    teacher: nn.Module | None, reference: nn.Module | None, temperature: float,
-                    old: bool, snapshot_teacher_head: bool, chunk_size: int | None = None
-                    ) -> RolloutTargets:
+def rollout_targets(
+    rb: RolloutBatch,
+    splits: list[Tensor],
+    needs: set[str],
+    *,
+    policy: nn.Module,
+    teacher: nn.Module | None,
+    reference: nn.Module | None,
+    temperature: float,
+    old: bool,
+    snapshot_teacher_head: bool,
+    chunk_size: int | None = None,
+) -> RolloutTargets:
     """The no-grad values of a rollout batch, computed once before its first update.
 
     Forwards run per minibatch `splits` (bounding activation memory); every rank runs the same
@@ -154,27 +183,52 @@ def rollout_targets(rb: RolloutBatch, splits: list[Tensor], needs: set[str], *, 
     for idx in splits:
         mb = rb.select(idx)
         if old:
-            parts.setdefault("old_logprobs", []).append((idx, score_tokens(
-                policy, mb.input_ids, mb.attention_mask, temperature=temperature,
-                mask=mb.response_mask, chunk_size=chunk_size).logprobs))
+            parts.setdefault("old_logprobs", []).append(
+                (
+                    idx,
+                    score_tokens(
+                        policy,
+                        mb.input_ids,
+                        mb.attention_mask,
+                        temperature=temperature,
+                        mask=mb.response_mask,
+                        chunk_size=chunk_size,
+                    ).logprobs,
+                )
+            )
         if "ref_logprobs" in needs:
-            parts.setdefault("ref_logprobs", []).append((idx, score_tokens(
-                reference, mb.input_ids, mb.attention_mask, temperature=temperature,
-                mask=mb.response_mask, chunk_size=chunk_size).logprobs))
+            parts.setdefault("ref_logprobs", []).append(
+                (
+                    idx,
+                    score_tokens(
+                        reference,
+                        mb.input_ids,
+                        mb.attention_mask,
+                        temperature=temperature,
+                        mask=mb.response_mask,
+                        chunk_size=chunk_size,
+                    ).logprobs,
+                )
+            )
         if want_teacher:
-            lp, hidden, aligned, head_weight = _teacher(mb, teacher or policy, temperature, chunk_size)
+            lp, hidden, aligned, head_weight = _teacher(
+                mb, teacher or policy, temperature, chunk_size
+            )
             parts.setdefault("teacher_logprobs", []).append((idx, lp))
             parts.setdefault("teacher_aligned", []).append((idx, aligned))
             if want_hidden:
                 parts.setdefault("teacher_hidden", []).append((idx, hidden))
     out = RolloutTargets(**{k: _assemble(v, B) for k, v in parts.items()})
     if want_hidden and (teacher is not None or snapshot_teacher_head):
-        out.teacher_lm_head_weight = head_weight.detach().clone() if teacher is None else head_weight
+        out.teacher_lm_head_weight = (
+            head_weight.detach().clone() if teacher is None else head_weight
+        )
     return out
 
 
-def _teacher(mb: RolloutBatch, model: nn.Module, temperature: float, chunk_size: int | None
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _teacher(
+    mb: RolloutBatch, model: nn.Module, temperature: float, chunk_size: int | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """ONE teacher forward on the hinted contexts, mapped into the student layout."""
     B, T = mb.input_ids.shape
     if mb.teacher_input_ids is None:  # nothing hinted: a placeholder keeps collectives in step
@@ -184,11 +238,20 @@ def _teacher(mb: RolloutBatch, model: nn.Module, temperature: float, chunk_size:
     states, weight = final_hidden(model, ids, attn)  # [b, T', H]
     if mb.teacher_input_ids is None:
         zeros = states.new_zeros(B, T)
-        return zeros, states.new_zeros(B, T, states.shape[-1]), torch.zeros(B, dtype=torch.bool,
-                                                                            device=zeros.device), weight
-    lp_own = chunked_logprobs_from_hidden(states, weight, ids, temperature,
-                                          chunk_tokens(weight.shape[0], chunk_size),
-                                          mask=_mapped(mb.teacher_positions, ids.shape[1]))  # [B, T']
+        return (
+            zeros,
+            states.new_zeros(B, T, states.shape[-1]),
+            torch.zeros(B, dtype=torch.bool, device=zeros.device),
+            weight,
+        )
+    lp_own = chunked_logprobs_from_hidden(
+        states,
+        weight,
+        ids,
+        temperature,
+        chunk_tokens(weight.shape[0], chunk_size),
+        mask=_mapped(mb.teacher_positions, ids.shape[1]),
+    )  # [B, T']
     lp, hidden, _ = teacher_view(states, lp_own, mb.teacher_positions)
     required = (mb.response_mask & mb.has_teacher.unsqueeze(1)) | mb.sdpo_mask
     aligned = teacher_alignment(mb.input_ids, ids, mb.teacher_positions, required)
@@ -198,8 +261,9 @@ def _teacher(mb: RolloutBatch, model: nn.Module, temperature: float, chunk_size:
 def _mapped(teacher_positions: Tensor, width: int) -> Tensor:
     """`[B, T']` bool: the teacher positions some student token maps to (1 <= p < T')."""
     valid = (teacher_positions >= 1) & (teacher_positions < width)  # [B, T]
-    out = torch.zeros(teacher_positions.shape[0], width, dtype=torch.bool,
-                      device=teacher_positions.device)
+    out = torch.zeros(
+        teacher_positions.shape[0], width, dtype=torch.bool, device=teacher_positions.device
+    )
     return out.scatter_(1, torch.where(valid, teacher_positions, 0), valid)  # p = 0 is never valid
 
 
@@ -212,15 +276,32 @@ def _assemble(parts: list[tuple[Tensor, Tensor]], B: int) -> Tensor:
     return out
 
 
-def step_context(mb: RolloutBatch, targets: RolloutTargets, needs: set[str], *, policy: nn.Module,
-                 reference: nn.Module | None, temperature: float, entropy: bool, global_step: int,
-                 aggregation: str, norm_length: int | None, chunk_size: int | None = None
-                 ) -> StepContext:
+def step_context(
+    mb: RolloutBatch,
+    targets: RolloutTargets,
+    needs: set[str],
+    *,
+    policy: nn.Module,
+    reference: nn.Module | None,
+    temperature: float,
+    entropy: bool,
+    global_step: int,
+    aggregation: str,
+    norm_length: int | None,
+    chunk_size: int | None = None,
+) -> StepContext:
     """One policy forward (grad) on a minibatch plus its rows of the rollout targets."""
     want_hidden = bool(needs & {"hidden", "logits"})
-    scores = score_tokens(policy, mb.input_ids, mb.attention_mask, temperature=temperature,
-                          mask=mb.response_mask, entropy=entropy or "entropy" in needs,
-                          hidden=want_hidden, chunk_size=chunk_size)
+    scores = score_tokens(
+        policy,
+        mb.input_ids,
+        mb.attention_mask,
+        temperature=temperature,
+        mask=mb.response_mask,
+        entropy=entropy or "entropy" in needs,
+        hidden=want_hidden,
+        chunk_size=chunk_size,
+    )
     provided: dict[str, object] = {}
     if scores.entropy is not None:
         provided["entropy"] = scores.entropy
@@ -231,20 +312,30 @@ def step_context(mb: RolloutBatch, targets: RolloutTargets, needs: set[str], *, 
             provided[key] = getattr(targets, key)
     if targets.teacher_hidden is not None:
         weight = targets.teacher_lm_head_weight
-        provided["teacher_lm_head_weight"] = (weight if weight is not None
-                                              else scores.lm_head_weight.detach())
+        provided["teacher_lm_head_weight"] = (
+            weight if weight is not None else scores.lm_head_weight.detach()
+        )
     old = targets.old_logprobs if targets.old_logprobs is not None else scores.logprobs.detach()
 
     def policy_forward(ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
-        return score_tokens(policy, ids, attn, temperature=temperature, mask=mask,
-                            chunk_size=chunk_size).logprobs
+        return score_tokens(
+            policy, ids, attn, temperature=temperature, mask=mask, chunk_size=chunk_size
+        ).logprobs
 
     def reference_forward(ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
-        return score_tokens(reference, ids, attn, temperature=temperature, mask=mask,
-                            chunk_size=chunk_size).logprobs
+        return score_tokens(
+            reference, ids, attn, temperature=temperature, mask=mask, chunk_size=chunk_size
+        ).logprobs
 
-    return StepContext(global_step=global_step, logprobs=scores.logprobs, old_logprobs=old,
-                       aggregation=aggregation, norm_length=norm_length, temperature=temperature,
-                       chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),
-                       _provided=provided, _policy_forward=policy_forward,
-                       _reference_forward=reference_forward if reference is not None else None)
+    return StepContext(
+        global_step=global_step,
+        logprobs=scores.logprobs,
+        old_logprobs=old,
+        aggregation=aggregation,
+        norm_length=norm_length,
+        temperature=temperature,
+        chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),
+        _provided=provided,
+        _policy_forward=policy_forward,
+        _reference_forward=reference_forward if reference is not None else None,
+    )

@@ -31,7 +31,11 @@ HARMLESS_VLLM = (
 
 #: Lightning start-up lines that say nothing about this run.
 HARMLESS_LIGHTNING = (
-    "GPU available:", "TPU available:", "HPU available:", "💡 Tip:", "Seed set to",
+    "GPU available:",
+    "TPU available:",
+    "HPU available:",
+    "💡 Tip:",
+    "Seed set to",
     "`Trainer.fit` stopped:",  # the progress line already says where it stopped
 )
 
@@ -82,7 +86,9 @@ def quiet_vllm(level: str = "WARNING") -> None:
     config["loggers"]["vllm"]["level"] = level
     for formatter in config["formatters"].values():
         formatter["log_level"] = level
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm_logging_", delete=False) as f:
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=".json", prefix="vllm_logging_", delete=False
+    ) as f:
         json.dump(config, f)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = f.name  # what vLLM applies when an LLM starts
     # Until then vLLM's records lack the fields of its formatter: a plain one meanwhile.
@@ -93,6 +99,10 @@ def quiet_vllm(level: str = "WARNING") -> None:
 
 def quiet_lightning() -> None:
     """Filter Lightning's start-up lines about accelerators, seeds and optional packages."""
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
-                 "lightning.fabric.utilities.seed"):
+    for name in (
+        "lightning.pytorch",
+        "lightning.fabric",
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.fabric.utilities.seed",
+    ):
         _attach(name, HARMLESS_LIGHTNING)

@@ -94,23 +94,48 @@ class ComposerModule(L.LightningModule):
         activation_checkpointing: bool = False,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=hparams_to_ignore(policy=policy, heads=heads, reference=reference,
-                                                       teacher=teacher, optimizer=optimizer,
-                                                       lr_scheduler=lr_scheduler))
+        self.save_hyperparameters(
+            ignore=hparams_to_ignore(
+                policy=policy,
+                heads=heads,
+                reference=reference,
+                teacher=teacher,
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+            )
+        )
         self.automatic_optimization = False
-        self.objective = Objective(heads, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                                   aggregation=aggregation, entropy_coef=entropy_coef, mixing=mixing,
-                                   variance_matching=variance_matching)
-        _check_settings(norm_length=norm_length, temperature=temperature, ppo_epochs=ppo_epochs,
-                        minibatches=minibatches, max_grad_norm=max_grad_norm,
-                        max_logprob_gap=max_logprob_gap, chunk_size=chunk_size)
+        self.objective = Objective(
+            heads,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=dual_clip,
+            aggregation=aggregation,
+            entropy_coef=entropy_coef,
+            mixing=mixing,
+            variance_matching=variance_matching,
+        )
+        _check_settings(
+            norm_length=norm_length,
+            temperature=temperature,
+            ppo_epochs=ppo_epochs,
+            minibatches=minibatches,
+            max_grad_norm=max_grad_norm,
+            max_logprob_gap=max_logprob_gap,
+            chunk_size=chunk_size,
+        )
         self.policy_path = policy if isinstance(policy, str) else None  # engines may follow it
         self.policy = load_causal_lm(policy)
         if activation_checkpointing:
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
         needs_ref = any("ref_logprobs" in h.requires and h.weight > 0 for h in self.heads)
-        self.reference = frozen_model(reference if reference is not None
-                                 else copy.deepcopy(self.policy) if needs_ref else None)
+        self.reference = frozen_model(
+            reference
+            if reference is not None
+            else copy.deepcopy(self.policy)
+            if needs_ref
+            else None
+        )
         self.teacher = frozen_model(teacher)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.temperature, self.chunk_size = norm_length, temperature, chunk_size
@@ -141,33 +166,59 @@ class ComposerModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": self.lr_scheduler_factory(opt)}
 
     # ----------------------------------------------------------------- the public seams
-    def rollout_targets(self, rb: RolloutBatch, needs: set[str], splits: list[Tensor] | None = None,
-                        updates: int = 1) -> RolloutTargets:
+    def rollout_targets(
+        self,
+        rb: RolloutBatch,
+        needs: set[str],
+        splits: list[Tensor] | None = None,
+        updates: int = 1,
+    ) -> RolloutTargets:
         """The no-grad values of a rollout batch, once, before its first of `updates` updates."""
         return rollout_targets(
-            rb, splits if splits is not None else [torch.arange(rb.batch_size, device=rb.input_ids.device)],
-            needs, policy=self.policy, teacher=self.teacher, reference=self.reference,
-            temperature=self.temperature, old=updates > 1, snapshot_teacher_head=updates > 1,
-            chunk_size=self.chunk_size)
+            rb,
+            splits
+            if splits is not None
+            else [torch.arange(rb.batch_size, device=rb.input_ids.device)],
+            needs,
+            policy=self.policy,
+            teacher=self.teacher,
+            reference=self.reference,
+            temperature=self.temperature,
+            old=updates > 1,
+            snapshot_teacher_head=updates > 1,
+            chunk_size=self.chunk_size,
+        )
 
-    def step_context(self, mb: RolloutBatch, needs: set[str], targets: RolloutTargets | None = None
-                     ) -> StepContext:
+    def step_context(
+        self, mb: RolloutBatch, needs: set[str], targets: RolloutTargets | None = None
+    ) -> StepContext:
         """One policy forward (grad) on a minibatch, with its rows of the rollout targets
         (computed here, for this minibatch alone, when not given)."""
         targets = targets if targets is not None else self.rollout_targets(mb, needs)
         return step_context(
-            mb, targets, needs, policy=self.policy, reference=self.reference,
-            temperature=self.temperature, entropy=self.objective.entropy_coef > 0,
-            global_step=self.global_step, aggregation=self.objective.aggregation,
-            norm_length=self.norm_length if self.norm_length is not None else mb.max_response_length,
-            chunk_size=self.chunk_size)
+            mb,
+            targets,
+            needs,
+            policy=self.policy,
+            reference=self.reference,
+            temperature=self.temperature,
+            entropy=self.objective.entropy_coef > 0,
+            global_step=self.global_step,
+            aggregation=self.objective.aggregation,
+            norm_length=self.norm_length
+            if self.norm_length is not None
+            else mb.max_response_length,
+            chunk_size=self.chunk_size,
+        )
 
     # ----------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         rb = batch["rollout"] if isinstance(batch, dict) else batch
         if not isinstance(rb, RolloutBatch):
-            raise TypeError(f"training_step expects a RolloutBatch (or a dict with key 'rollout'), "
-                            f"got {type(rb).__name__}; is the rollout callback configured?")
+            raise TypeError(
+                f"training_step expects a RolloutBatch (or a dict with key 'rollout'), "
+                f"got {type(rb).__name__}; is the rollout callback configured?"
+            )
         opt = self.optimizers()
         splits, error = None, None
         try:
@@ -176,8 +227,12 @@ class ComposerModule(L.LightningModule):
             error = exc
         agree(error=error)  # a rank that cannot split its batch stops every rank, here
         updates = self.ppo_epochs * len(splits)
-        needs = set().union(*(self.objective.requirements(self.objective.weights(self.global_step + k))
-                              for k in range(updates)))
+        needs = set().union(
+            *(
+                self.objective.requirements(self.objective.weights(self.global_step + k))
+                for k in range(updates)
+            )
+        )
         targets = self.rollout_targets(rb, needs, splits, updates)
         history: dict[str, list[float]] = defaultdict(list)
         canary = StepMetrics()
@@ -197,7 +252,9 @@ class ComposerModule(L.LightningModule):
             self.manual_backward(loss)
             if self.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-                metrics["train/grad_norm"] = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                metrics["train/grad_norm"] = (
+                    norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                )
             opt.step()
             for k, v in metrics.items():
                 history[k].append(float(v))
@@ -207,15 +264,23 @@ class ComposerModule(L.LightningModule):
         self.policy_version += 1
         canary.update({k: sum(v) / len(v) for k, v in history.items()})
         self.log_dict(agree(canary), on_step=True, batch_size=rb.batch_size)
-        self.log("loss", history["train/loss"][-1], prog_bar=True, on_step=True, logger=False,
-                 batch_size=rb.batch_size)
+        self.log(
+            "loss",
+            history["train/loss"][-1],
+            prog_bar=True,
+            on_step=True,
+            logger=False,
+            batch_size=rb.batch_size,
+        )
         return loss.detach()
 
     # ----------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["composer"] = {"policy_version": self.policy_version,
-                                  "heads": {h.name: h.state_dict() for h in self.heads},
-                                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        checkpoint["composer"] = {
+            "policy_version": self.policy_version,
+            "heads": {h.name: h.state_dict() for h in self.heads},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("composer", {})
@@ -223,8 +288,11 @@ class ComposerModule(L.LightningModule):
         saved, names = state.get("heads", {}), {h.name for h in self.heads}
         dropped, fresh = sorted(set(saved) - names), sorted(names - set(saved))
         if dropped or fresh:
-            warnings.warn(f"resuming with other heads than the checkpoint's: the saved state of "
-                          f"{dropped} is dropped, {fresh} start fresh", stacklevel=2)
+            warnings.warn(
+                f"resuming with other heads than the checkpoint's: the saved state of "
+                f"{dropped} is dropped, {fresh} start fresh",
+                stacklevel=2,
+            )
         for head in self.heads:
             if head.name in saved:
                 head.load_state_dict(saved[head.name])

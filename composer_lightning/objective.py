@@ -39,10 +39,18 @@ class Objective:
         variance_matching: name of a reference advantage head, or None.
     """
 
-    def __init__(self, heads: list[Head], *, clip_low: float = 0.2, clip_high: float = 0.28,
-                 dual_clip: float | None = None, aggregation: Aggregation = "token_sum_norm",
-                 entropy_coef: float = 0.0, mixing: Mixing = "advantage",
-                 variance_matching: str | None = None):
+    def __init__(
+        self,
+        heads: list[Head],
+        *,
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        dual_clip: float | None = None,
+        aggregation: Aggregation = "token_sum_norm",
+        entropy_coef: float = 0.0,
+        mixing: Mixing = "advantage",
+        variance_matching: str | None = None,
+    ):
         self.heads = _check_heads(heads)
         if not 0 < clip_low < 1:
             raise ValueError(f"clip_low must be in (0, 1), got {clip_low}")
@@ -58,8 +66,10 @@ class Objective:
             raise ValueError(f"entropy_coef must be finite and >= 0, got {entropy_coef}")
         names = [h.name for h in self.heads]
         if variance_matching is not None and variance_matching not in names:
-            raise ValueError(f"variance_matching names head {variance_matching!r}, which is not "
-                             f"among the heads {names}")
+            raise ValueError(
+                f"variance_matching names head {variance_matching!r}, which is not "
+                f"among the heads {names}"
+            )
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.aggregation, self.entropy_coef = aggregation, entropy_coef
         self.mixing, self.variance_matching = mixing, variance_matching
@@ -73,24 +83,33 @@ class Objective:
         needs = set().union(*(h.requires for h in self.heads if weights[h.name] > 0))
         return needs | ({"entropy"} if self.entropy_coef > 0 else set())
 
-    def head_outputs(self, batch: RolloutBatch, ctx: StepContext, weights: dict[str, float]
-                     ) -> dict[str, HeadOutput]:
+    def head_outputs(
+        self, batch: RolloutBatch, ctx: StepContext, weights: dict[str, float]
+    ) -> dict[str, HeadOutput]:
         """Each non-zero-weight head's output (a zero-weight head is not computed at all, so it
         cannot touch any gradient)."""
         return {h.name: h.compute(batch, ctx) for h in self.heads if weights[h.name] != 0.0}
 
-    def advantage_terms(self, batch: RolloutBatch, outputs: dict[str, HeadOutput],
-                        weights: dict[str, float]) -> list[AdvantageTerm]:
+    def advantage_terms(
+        self, batch: RolloutBatch, outputs: dict[str, HeadOutput], weights: dict[str, float]
+    ) -> list[AdvantageTerm]:
         """One term per advantage head; its `weight` is the effective one (variance-matched)."""
-        terms = [AdvantageTerm(name, weights[name], out.advantages.detach(),
-                               (out.active_mask if out.active_mask is not None
-                                else batch.response_mask).bool())
-                 for name, out in outputs.items() if out.advantages is not None]
+        terms = [
+            AdvantageTerm(
+                name,
+                weights[name],
+                out.advantages.detach(),
+                (out.active_mask if out.active_mask is not None else batch.response_mask).bool(),
+            )
+            for name, out in outputs.items()
+            if out.advantages is not None
+        ]
         scales = variance_scales(terms, self.variance_matching)
         return [t._replace(weight=t.weight * scales[t.name]) for t in terms]
 
-    def __call__(self, batch: RolloutBatch, ctx: StepContext, weights: dict[str, float]
-                 ) -> tuple[Tensor, dict[str, Tensor | float]]:
+    def __call__(
+        self, batch: RolloutBatch, ctx: StepContext, weights: dict[str, float]
+    ) -> tuple[Tensor, dict[str, Tensor | float]]:
         """The minibatch loss and its metrics (`<head>/<metric>`, `ppo/…`, `train/loss`)."""
         outputs = self.head_outputs(batch, ctx, weights)
         metrics: dict[str, Tensor | float] = {f"{name}/weight": w for name, w in weights.items()}
@@ -100,7 +119,8 @@ class Objective:
             if out.advantages is not None:
                 active = out.active_mask if out.active_mask is not None else batch.response_mask
                 metrics[f"{name}/adv_mean"], metrics[f"{name}/adv_std"] = masked_stats(
-                    out.advantages, active.bool())
+                    out.advantages, active.bool()
+                )
             else:
                 metrics[f"{name}/loss"] = out.loss.detach()
                 total = total + weights[name] * out.loss
@@ -112,25 +132,37 @@ class Objective:
             metrics["ppo/loss"] = pg.detach()
             total = total + pg
         if ctx.has("entropy"):
-            metrics["entropy"] = masked_aggregate(ctx.entropy.detach(), batch.response_mask, "token_mean")
+            metrics["entropy"] = masked_aggregate(
+                ctx.entropy.detach(), batch.response_mask, "token_mean"
+            )
             if self.entropy_coef > 0:
                 total = total - self.entropy_coef * ctx.aggregate(ctx.entropy, batch.response_mask)
         metrics["train/loss"] = total.detach()
         return total, metrics
 
-    def surrogate(self, ctx: StepContext, batch: RolloutBatch, terms: list[AdvantageTerm]
-                  ) -> tuple[Tensor, dict[str, Tensor]]:
+    def surrogate(
+        self, ctx: StepContext, batch: RolloutBatch, terms: list[AdvantageTerm]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The clipped surrogate of the weighted advantage terms, per `mixing`."""
-        kw = dict(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                  aggregation=self.aggregation, norm_length=ctx.norm_length)
+        kw = dict(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            aggregation=self.aggregation,
+            norm_length=ctx.norm_length,
+        )
         scaled = [t.weight * t.advantages for t in terms]
         mixed = torch.stack(scaled).sum(0)  # [B, T]
         if self.mixing == "advantage":
             return policy_loss(ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw)
-        loss = sum(policy_loss(ctx.logprobs, ctx.old_logprobs, a, batch.response_mask, **kw)[0]
-                   for a in scaled)
+        loss = sum(
+            policy_loss(ctx.logprobs, ctx.old_logprobs, a, batch.response_mask, **kw)[0]
+            for a in scaled
+        )
         with torch.no_grad():
-            _, metrics = policy_loss(ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw)
+            _, metrics = policy_loss(
+                ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw
+            )
         return loss, metrics
 
 

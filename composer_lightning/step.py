@@ -48,8 +48,14 @@ class RolloutTargets:
 
     def select(self, index: Tensor) -> RolloutTargets:
         """The rows `index` of every per-sample tensor (the LM head weight is shared)."""
-        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
-                                if f.name != "teacher_lm_head_weight" and getattr(self, f.name) is not None})
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name)[index]
+                for f in fields(self)
+                if f.name != "teacher_lm_head_weight" and getattr(self, f.name) is not None
+            },
+        )
 
 
 @dataclass
@@ -84,8 +90,10 @@ class StepContext:
     def _get(self, key: str) -> Tensor:
         value = self._provided.get(key, _MISSING)
         if value is _MISSING:
-            raise AttributeError(f"'{key}' was not computed for this step: a head that reads it "
-                                 "must list it in its `requires`")
+            raise AttributeError(
+                f"'{key}' was not computed for this step: a head that reads it "
+                "must list it in its `requires`"
+            )
         return value  # type: ignore[return-value]
 
     @property
@@ -149,23 +157,31 @@ class StepContext:
         """Reduce `[B, T]` values over `mask` with the module's aggregation."""
         return masked_aggregate(values, mask, self.aggregation, norm_length=self.norm_length)
 
-    def policy_sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor,
-                                 response_mask: Tensor) -> Tensor:
+    def policy_sequence_logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor
+    ) -> Tensor:
         """`[N]` summed policy log-probs of the response tokens of other sequences (grad).
 
         Under FSDP2 this is a forward of the sharded policy, a collective: a head that calls it
         must call it on every rank in every step (on a placeholder when it has nothing to do).
         """
         if self._policy_forward is None:
-            raise AttributeError("policy forward on other sequences needs 'sequence_logprobs' in requires")
-        return sequence_logprobs(self._policy_forward(input_ids, attention_mask, response_mask),
-                                 response_mask)
+            raise AttributeError(
+                "policy forward on other sequences needs 'sequence_logprobs' in requires"
+            )
+        return sequence_logprobs(
+            self._policy_forward(input_ids, attention_mask, response_mask), response_mask
+        )
 
-    def reference_sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor,
-                                    response_mask: Tensor) -> Tensor:
+    def reference_sequence_logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor
+    ) -> Tensor:
         """`[N]` summed reference log-probs of the response tokens (no grad)."""
         if self._reference_forward is None:
-            raise AttributeError("reference forward needs 'ref_logprobs' in requires and a reference model")
+            raise AttributeError(
+                "reference forward needs 'ref_logprobs' in requires and a reference model"
+            )
         with torch.no_grad():
             return sequence_logprobs(
-                self._reference_forward(input_ids, attention_mask, response_mask), response_mask)
+                self._reference_forward(input_ids, attention_mask, response_mask), response_mask
+            )

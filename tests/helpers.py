@@ -16,9 +16,17 @@ from composer_lightning.module import ComposerModule
 from composer_lightning.step import StepContext
 
 
-def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: int = 64) -> nn.Module:
-    return TinyLlama(vocab_size=vocab_size, hidden_size=32, num_layers=1, num_heads=1,
-                     intermediate_size=64, seed=seed).to(dtype)
+def tiny_model(
+    dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: int = 64
+) -> nn.Module:
+    return TinyLlama(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=1,
+        intermediate_size=64,
+        seed=seed,
+    ).to(dtype)
 
 
 class ScriptedTeacher(nn.Module):
@@ -40,7 +48,9 @@ class ScriptedTeacher(nn.Module):
         return self.head
 
     def forward(self, input_ids: Tensor, **_: object) -> SimpleNamespace:
-        assert torch.equal(input_ids, self.expected_ids), "teacher asked about an unexpected context"
+        assert torch.equal(input_ids, self.expected_ids), (
+            "teacher asked about an unexpected context"
+        )
         self.calls += 1
         return SimpleNamespace(hidden_states=(self.logits,))
 
@@ -49,19 +59,32 @@ def full_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> 
     """`[B, T, V]` logits of a causal LM the plain way (an independent reference for the
     chunked paths); position ids follow the attention mask."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 use_cache=False).logits
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    ).logits
 
 
-def context(module: ComposerModule, batch: RolloutBatch, needs: set[str] | None = None) -> StepContext:
+def context(
+    module: ComposerModule, batch: RolloutBatch, needs: set[str] | None = None
+) -> StepContext:
     """The module's step context of `batch` as one rollout batch with one update."""
     if needs is None:
         needs = module.objective.requirements(module.objective.weights(module.global_step))
     return module.step_context(batch, needs)
 
 
-def one_sample_batch(prompt: list[int], response: list[int], hint: list[int], *, reward: float,
-                     has_reward: bool, has_teacher: bool) -> RolloutBatch:
+def one_sample_batch(
+    prompt: list[int],
+    response: list[int],
+    hint: list[int],
+    *,
+    reward: float,
+    has_reward: bool,
+    has_teacher: bool,
+) -> RolloutBatch:
     """One sample (G = 1): prompt ⊕ response, teacher = prompt ⊕ hint ⊕ response."""
     P, R, H = len(prompt), len(response), len(hint)
     ids = torch.tensor([prompt + response])
@@ -70,17 +93,24 @@ def one_sample_batch(prompt: list[int], response: list[int], hint: list[int], *,
     response_mask = (pos >= P).unsqueeze(0)
     positions = torch.where(response_mask, pos + H, -1)
     return RolloutBatch(
-        input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=response_mask,
-        rewards=torch.tensor([reward]), has_reward=torch.tensor([has_reward]),
-        group_ids=torch.tensor([0]), max_response_length=R,
-        has_teacher=torch.tensor([has_teacher]), teacher_input_ids=teacher_ids,
-        teacher_attention_mask=torch.ones_like(teacher_ids), teacher_positions=positions,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=response_mask,
+        rewards=torch.tensor([reward]),
+        has_reward=torch.tensor([has_reward]),
+        group_ids=torch.tensor([0]),
+        max_response_length=R,
+        has_teacher=torch.tensor([has_teacher]),
+        teacher_input_ids=teacher_ids,
+        teacher_attention_mask=torch.ones_like(teacher_ids),
+        teacher_positions=positions,
         sdpo_mask=response_mask & has_teacher,
     )
 
 
-def teacher_logits_for(logprobs_target: Tensor, teacher_ids: Tensor, first_response_pos: int,
-                       vocab_size: int) -> Tensor:
+def teacher_logits_for(
+    logprobs_target: Tensor, teacher_ids: Tensor, first_response_pos: int, vocab_size: int
+) -> Tensor:
     """`[1, T', V]` logits under which token `teacher_ids[p]` has log-prob `logprobs_target[j]`
     at response position p = first_response_pos + j (the rest of the mass spread uniformly)."""
     T = teacher_ids.shape[1]

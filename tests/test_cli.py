@@ -23,12 +23,20 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILTINS = ["dr_grpo", "kl", "opd", "replay_dpo", "sdpo"]
 
 
-def run_cli(*args: str, pythonpath: str | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, pythonpath: str | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "composer_lightning", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "composer_lightning", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_heads_lists_every_builtin():
@@ -42,7 +50,9 @@ def test_broken_plugin_is_reported_by_name_without_hiding_the_others(tmp_path):
     dist = tmp_path / "broken_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[composer_lightning.heads]\nbroken = no_such_module_xyz:Nope\n")
+    (dist / "entry_points.txt").write_text(
+        "[composer_lightning.heads]\nbroken = no_such_module_xyz:Nope\n"
+    )
     out = run_cli("heads", pythonpath=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "broken" in out.stdout and "FAILED TO IMPORT" in out.stdout
@@ -53,12 +63,28 @@ def test_broken_plugin_is_reported_by_name_without_hiding_the_others(tmp_path):
 
 def test_plugin_package_installs_and_trains_one_step(tmp_path):
     target = tmp_path / "site"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                          "--no-build-isolation", "--target", str(target),
-                          str(ROOT / "examples" / "custom_head")], capture_output=True, text=True)
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT / "examples" / "custom_head"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert pip.returncode == 0, pip.stderr
     listed = run_cli("heads", pythonpath=str(target))
-    assert "length_penalty" in listed.stdout and "my_heads.length_penalty.LengthPenaltyHead" in listed.stdout
+    assert (
+        "length_penalty" in listed.stdout
+        and "my_heads.length_penalty.LengthPenaltyHead" in listed.stdout
+    )
     fit = run_cli("fit", "--config", "examples/custom_head/config.yaml", pythonpath=str(target))
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "fast_dev_run" in fit.stderr + fit.stdout
@@ -67,14 +93,19 @@ def test_plugin_package_installs_and_trains_one_step(tmp_path):
 def test_unknown_head_class_is_a_clear_error(tmp_path):
     cfg = (ROOT / "examples" / "custom_head" / "config.yaml").read_text()
     bad = tmp_path / "bad.yaml"
-    bad.write_text(cfg.replace("my_heads.length_penalty.LengthPenaltyHead", "composer_lightning.heads.nope.NopeHead"))
+    bad.write_text(
+        cfg.replace(
+            "my_heads.length_penalty.LengthPenaltyHead", "composer_lightning.heads.nope.NopeHead"
+        )
+    )
     out = run_cli("fit", "--config", str(bad))
     assert out.returncode != 0
     assert "composer_lightning.heads.nope.NopeHead" in out.stderr
 
 
-@pytest.mark.parametrize("config", sorted(glob.glob(str(ROOT / "configs" / "*.yaml"))),
-                         ids=lambda p: Path(p).name)
+@pytest.mark.parametrize(
+    "config", sorted(glob.glob(str(ROOT / "configs" / "*.yaml"))), ids=lambda p: Path(p).name
+)
 def test_every_config_parses(config):
     out = run_cli("fit", "--config", config, "--print_config")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -82,23 +113,35 @@ def test_every_config_parses(config):
 
 
 def test_synthetic_demo_config_trains(tmp_path):
-    out = run_cli("fit", "--config", str(ROOT / "configs" / "synthetic_demo.yaml"),
-                  "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}",
-                  f"--trainer.logger.init_args.save_dir={tmp_path}")
+    out = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "synthetic_demo.yaml"),
+        "--trainer.max_steps=3",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert glob.glob(str(tmp_path / "synthetic_demo" / "*" / "events.*"))
 
 
 def _module() -> ComposerModule:
-    return ComposerModule(tiny_model(torch.float32), [DrGRPOHead(), ReplayDPOHead(capacity=100)],
-                          max_logprob_gap=None)
+    return ComposerModule(
+        tiny_model(torch.float32), [DrGRPOHead(), ReplayDPOHead(capacity=100)], max_logprob_gap=None
+    )
 
 
 def test_resume_restores_weights_optimizer_head_state_and_version(tmp_path):
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
-    kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1
+    )
+    kw = dict(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     first = _module()
-    L.Trainer(max_steps=3, callbacks=[ckpt], **kw).fit(first, SyntheticRolloutDataModule(vocab_size=64))
+    L.Trainer(max_steps=3, callbacks=[ckpt], **kw).fit(
+        first, SyntheticRolloutDataModule(vocab_size=64)
+    )
     path = sorted(glob.glob(str(tmp_path / "*step=3*.ckpt")))[0]
     resumed = _module()
     trainer = L.Trainer(max_steps=3, enable_checkpointing=False, **kw)
@@ -106,11 +149,18 @@ def test_resume_restores_weights_optimizer_head_state_and_version(tmp_path):
     assert resumed.policy_version == first.policy_version == 3
     a, b = first.heads[1], resumed.heads[1]
     assert len(a.buffer) == len(b.buffer) > 0
-    assert all(torch.equal(x["chosen"], y["chosen"]) for x, y in zip(a.buffer, b.buffer, strict=True))
+    assert all(
+        torch.equal(x["chosen"], y["chosen"]) for x, y in zip(a.buffer, b.buffer, strict=True)
+    )
     assert torch.equal(a.generator.get_state(), b.generator.get_state())
-    for (n, p), (_, q) in zip(first.policy.named_parameters(), resumed.policy.named_parameters(), strict=True):
+    for (n, p), (_, q) in zip(
+        first.policy.named_parameters(), resumed.policy.named_parameters(), strict=True
+    ):
         assert torch.equal(p, q), n
-    assert trainer.optimizers[0].state_dict()["state"].keys() == first.trainer.optimizers[0].state_dict()["state"].keys()
+    assert (
+        trainer.optimizers[0].state_dict()["state"].keys()
+        == first.trainer.optimizers[0].state_dict()["state"].keys()
+    )
 
 
 def test_checkpoint_restores_the_rng_states():
@@ -124,12 +174,18 @@ def test_checkpoint_restores_the_rng_states():
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
 
 
-@pytest.mark.parametrize("override,message", [
-    ("--model.clip_low=0", "clip_low must be in (0, 1), got 0.0"),
-    ("--model.aggregation=sum", "'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'token_sum_norm']. Got value: sum"),
-    ("--model.mixing=both", "Literal['advantage', 'loss']. Got value: both"),
-    ("--model.dual_clip=0.5", "dual_clip"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("--model.clip_low=0", "clip_low must be in (0, 1), got 0.0"),
+        (
+            "--model.aggregation=sum",
+            "'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'token_sum_norm']. Got value: sum",
+        ),
+        ("--model.mixing=both", "Literal['advantage', 'loss']. Got value: both"),
+        ("--model.dual_clip=0.5", "dual_clip"),
+    ],
+)
 def test_bad_settings_give_a_one_line_error(override, message):
     out = run_cli("fit", "--config", str(ROOT / "configs" / "synthetic_demo.yaml"), override)
     assert out.returncode != 0
@@ -137,25 +193,40 @@ def test_bad_settings_give_a_one_line_error(override, message):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("override,message", [
-    ("--model.heads.weight=-1", None),  # replaced below: negative weight of the first head
-    ("--rollout.sampling.temperature=0.7",
-     "the module's temperature (1.0) differs from the sampling temperature (0.7)"),
-    ("--data.init_args.prompt_file=/nonexistent/prompts.jsonl", "/nonexistent/prompts.jsonl"),
-    ("--rollout.engine.init_args.model_path=/nonexistent/model",
-     "VLLMEngine: model directory '/nonexistent/model' not found"),
-    ("--model.policy=Qwen/Qwen2.5-0.5B", "model directory 'Qwen/Qwen2.5-0.5B' not found"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("--model.heads.weight=-1", None),  # replaced below: negative weight of the first head
+        (
+            "--rollout.sampling.temperature=0.7",
+            "the module's temperature (1.0) differs from the sampling temperature (0.7)",
+        ),
+        ("--data.init_args.prompt_file=/nonexistent/prompts.jsonl", "/nonexistent/prompts.jsonl"),
+        (
+            "--rollout.engine.init_args.model_path=/nonexistent/model",
+            "VLLMEngine: model directory '/nonexistent/model' not found",
+        ),
+        ("--model.policy=Qwen/Qwen2.5-0.5B", "model directory 'Qwen/Qwen2.5-0.5B' not found"),
+    ],
+)
 def test_configuration_errors_of_the_main_job_are_one_line_before_any_engine_starts(
-        override, message, tmp_path):
+    override, message, tmp_path
+):
     """The vLLM main job with one bad value: one line naming it, no traceback, no engine."""
     config = ROOT / "configs" / "tiny_cpu.yaml"
     if message is None:  # a negative head weight and duplicate head names, via an edited YAML
         bad = tmp_path / "bad.yaml"
-        bad.write_text(config.read_text().replace("init_args: {weight: 0.5}", "init_args: {weight: -0.5}"))
-        config, override, message = bad, f"--trainer.default_root_dir={tmp_path}", \
-            "opd: weight must be finite and >= 0, got -0.5"
-    out = run_cli("fit", "--config", str(config), override, f"--trainer.default_root_dir={tmp_path}")
+        bad.write_text(
+            config.read_text().replace("init_args: {weight: 0.5}", "init_args: {weight: -0.5}")
+        )
+        config, override, message = (
+            bad,
+            f"--trainer.default_root_dir={tmp_path}",
+            "opd: weight must be finite and >= 0, got -0.5",
+        )
+    out = run_cli(
+        "fit", "--config", str(config), override, f"--trainer.default_root_dir={tmp_path}"
+    )
     assert out.returncode != 0
     lines = [line for line in out.stderr.splitlines() if line.startswith("composer_lightning:")]
     assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
@@ -166,8 +237,13 @@ def test_configuration_errors_of_the_main_job_are_one_line_before_any_engine_sta
 def test_duplicate_head_names_are_one_line(tmp_path):
     cfg = (ROOT / "configs" / "synthetic_demo.yaml").read_text()
     bad = tmp_path / "dupes.yaml"
-    bad.write_text(cfg.replace("init_args: {weight: 1.0}\n    - class_path: composer_lightning.heads.opd.OPDHead",
-                               "init_args: {weight: 1.0, name: same}\n    - class_path: composer_lightning.heads.opd.OPDHead\n      init_args: {name: same}\n    - class_path: composer_lightning.heads.opd.OPDHead", 1))
+    bad.write_text(
+        cfg.replace(
+            "init_args: {weight: 1.0}\n    - class_path: composer_lightning.heads.opd.OPDHead",
+            "init_args: {weight: 1.0, name: same}\n    - class_path: composer_lightning.heads.opd.OPDHead\n      init_args: {name: same}\n    - class_path: composer_lightning.heads.opd.OPDHead",
+            1,
+        )
+    )
     out = run_cli("fit", "--config", str(bad))
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "invalid configuration: duplicate head names ['same']" in out.stderr, out.stderr[-2000:]
@@ -178,6 +254,10 @@ def test_resuming_with_other_heads_warns_naming_the_dropped_state():
 
     checkpoint: dict = {}
     _module().on_save_checkpoint(checkpoint)  # dr_grpo + replay_dpo (a buffer)
-    other = ComposerModule(tiny_model(torch.float32), [DrGRPOHead(), SDPOHead()], max_logprob_gap=None)
-    with pytest.warns(UserWarning, match=r"the saved state of \['replay_dpo'\] is dropped, \['sdpo'\] start fresh"):
+    other = ComposerModule(
+        tiny_model(torch.float32), [DrGRPOHead(), SDPOHead()], max_logprob_gap=None
+    )
+    with pytest.warns(
+        UserWarning, match=r"the saved state of \['replay_dpo'\] is dropped, \['sdpo'\] start fresh"
+    ):
         other.on_load_checkpoint(checkpoint)

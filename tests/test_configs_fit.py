@@ -12,14 +12,22 @@ import pytest
 
 from tests.test_cli import ROOT, run_cli
 
-CPU_CONFIGS = sorted(p for p in glob.glob(str(ROOT / "configs" / "*.yaml"))
-                     if "gpu" not in Path(p).name and "fsdp2" not in Path(p).name)  # fsdp2: below
+CPU_CONFIGS = sorted(
+    p
+    for p in glob.glob(str(ROOT / "configs" / "*.yaml"))
+    if "gpu" not in Path(p).name and "fsdp2" not in Path(p).name
+)  # fsdp2: below
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: Path(p).name)
 def test_cpu_config_runs_one_fast_dev_run_step(config, tmp_path):
-    out = run_cli("fit", "--config", config, "--trainer.fast_dev_run=1",
-                  f"--trainer.default_root_dir={tmp_path}")  # Lightning still saves last.ckpt
+    out = run_cli(
+        "fit",
+        "--config",
+        config,
+        "--trainer.fast_dev_run=1",
+        f"--trainer.default_root_dir={tmp_path}",
+    )  # Lightning still saves last.ckpt
     assert out.returncode == 0, out.stderr[-4000:]
     assert "fast_dev_run" in out.stdout + out.stderr
 
@@ -34,20 +42,38 @@ def _scalars(logdir: Path) -> dict[str, list[float]]:
 
 
 def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
-    out = run_cli("fit", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--trainer.max_steps=4",
-                  f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    out = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "--trainer.max_steps=4",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     lines = (out.stdout + out.stderr).splitlines()  # quiet: a summary, the plain progress lines
     assert len(lines) <= 15, "\n".join(lines)
-    assert not any(word in out.stdout + out.stderr for word in ("Traceback", " INFO ", " WARNING ",
-                                                                  "Epoch 0", "v_num"))
+    assert not any(
+        word in out.stdout + out.stderr
+        for word in ("Traceback", " INFO ", " WARNING ", "Epoch 0", "v_num")
+    )
     assert lines[0].startswith("composer_lightning: policy") and "step 4/4  reward" in out.stdout
     s = _scalars(tmp_path)
     assert len(s["rollout/logprob_gap_max"]) == 4
     assert max(s["rollout/logprob_gap_max"]) < 1e-5  # every push reached the engine (fp32)
-    for tag in ("rollout/reward_mean", "dr_grpo/adv_mean", "opd/adv_mean", "sdpo/weight",
-                "replay_dpo/buffer_size", "dispatch/opd_rl", "dispatch/dropped", "ppo/clipfrac",
-                "train/loss", "rollout/push_time", "rollout/tokens_per_s"):
+    for tag in (
+        "rollout/reward_mean",
+        "dr_grpo/adv_mean",
+        "opd/adv_mean",
+        "sdpo/weight",
+        "replay_dpo/buffer_size",
+        "dispatch/opd_rl",
+        "dispatch/dropped",
+        "ppo/clipfrac",
+        "train/loss",
+        "rollout/push_time",
+        "rollout/tokens_per_s",
+    ):
         assert tag in s, tag
     assert glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
     (samples,) = glob.glob(str(tmp_path / "**" / "rollouts.jsonl"), recursive=True)
@@ -59,11 +85,16 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
 def test_cli_run_resumes_from_its_last_checkpoint(tmp_path):
     """A crash after step 2 loses nothing: `fit --ckpt_path last.ckpt` restores every state."""
     config = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
-    common = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    common = [
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+    ]
     first = run_cli("fit", "--config", config, "--trainer.max_steps=2", *common)
     assert first.returncode == 0, first.stderr[-3000:]
     (last,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
-    second = run_cli("fit", "--config", config, "--trainer.max_steps=3", f"--ckpt_path={last}", *common)
+    second = run_cli(
+        "fit", "--config", config, "--trainer.max_steps=3", f"--ckpt_path={last}", *common
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states" in second.stdout + second.stderr
 
@@ -74,10 +105,15 @@ def fsdp2_runs(tmp_path_factory) -> dict[int, dict[str, list[float]]]:
     runs = {}
     for tp in (1, 2):
         out_dir = tmp_path_factory.mktemp(f"fsdp2_tp{tp}")
-        out = run_cli("fit", "--config", str(ROOT / "configs" / "tiny_cpu_fsdp2.yaml"),
-                      "--trainer.max_steps=3", f"--trainer.default_root_dir={out_dir}",
-                      f"--trainer.logger.init_args.save_dir={out_dir}",
-                      f"--rollout.engine.init_args.llm_kwargs={{tensor_parallel_size: {tp}}}")
+        out = run_cli(
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "tiny_cpu_fsdp2.yaml"),
+            "--trainer.max_steps=3",
+            f"--trainer.default_root_dir={out_dir}",
+            f"--trainer.logger.init_args.save_dir={out_dir}",
+            f"--rollout.engine.init_args.llm_kwargs={{tensor_parallel_size: {tp}}}",
+        )
         assert out.returncode == 0, out.stderr[-4000:]
         runs[tp] = _scalars(out_dir)
     return runs
@@ -91,8 +127,13 @@ def test_two_rank_fsdp2_main_job_keeps_every_rank_engine_in_sync(fsdp2_runs):
     assert len(s["rollout/logprob_gap_worst_rank"]) == 3
     assert max(s["rollout/logprob_gap_worst_rank"]) < 1e-5  # each rank's mean gap
     assert max(s["rollout/logprob_gap_max"]) < 1e-4  # any token of either rank
-    assert s["dispatch/rl_only"][0] + s["dispatch/opd_rl"][0] + s["dispatch/opd_only"][0] + \
-        s["dispatch/dropped"][0] == 2 * 8 * 4  # both ranks' 8 prompts x G = 4, summed
+    assert (
+        s["dispatch/rl_only"][0]
+        + s["dispatch/opd_rl"][0]
+        + s["dispatch/opd_only"][0]
+        + s["dispatch/dropped"][0]
+        == 2 * 8 * 4
+    )  # both ranks' 8 prompts x G = 4, summed
     for tag in ("sdpo/weight", "replay_dpo/buffer_size", "opd/adv_mean", "train/loss"):
         assert tag in s, tag
 

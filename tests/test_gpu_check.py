@@ -10,11 +10,15 @@ from tests.test_cli import ROOT
 
 
 def test_gpu_check_smoke_on_cpu():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke",
-                          "--steps", "3"], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout[out.stdout.index("{\n"):])
+    report = json.loads(out.stdout[out.stdout.index("{\n") :])
     assert report["engine"].startswith("vllm 0.32")
     assert report["fsdp2_sharded"] and report["loss_finite"] and report["steps_done"] == 3
     assert max(report["logprob_gap_mean_per_step"]) < 1e-5

@@ -34,9 +34,15 @@ DELTA = torch.tensor([0.2, 0.9, 0.0, 0.6], dtype=torch.float64)
 
 
 def _fit(module: ComposerModule, batch, callbacks=()) -> dict[str, float]:
-    trainer = L.Trainer(max_steps=module.ppo_epochs * module.minibatches, accelerator="cpu",
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=list(callbacks))
+    trainer = L.Trainer(
+        max_steps=module.ppo_epochs * module.minibatches,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
@@ -51,19 +57,27 @@ class Recording(Head):
 
     def compute(self, batch, ctx):
         out = self.inner.compute(batch, ctx)
-        self.seen.append({"adv": None if out.advantages is None else out.advantages.clone(),
-                          "loss": None if out.loss is None else out.loss.detach().clone(),
-                          "log_ratio": (ctx.logprobs - ctx.old_logprobs).detach().clone(),
-                          "teacher_logits": ctx.teacher_logits.detach().clone()
-                          if ctx.has("teacher_hidden") else None})
+        self.seen.append(
+            {
+                "adv": None if out.advantages is None else out.advantages.clone(),
+                "loss": None if out.loss is None else out.loss.detach().clone(),
+                "log_ratio": (ctx.logprobs - ctx.old_logprobs).detach().clone(),
+                "teacher_logits": ctx.teacher_logits.detach().clone()
+                if ctx.has("teacher_hidden")
+                else None,
+            }
+        )
         return out
 
 
-@pytest.mark.parametrize("has_teacher,has_reward,expected", [
-    (True, True, [1.2, 1.9, 1.0, 1.6]),   # OPD+RL
-    (True, False, [0.2, 0.9, 0.0, 0.6]),  # OPD-only
-    (False, True, [1.0, 1.0, 1.0, 1.0]),  # RL-only
-])
+@pytest.mark.parametrize(
+    "has_teacher,has_reward,expected",
+    [
+        (True, True, [1.2, 1.9, 1.0, 1.6]),  # OPD+RL
+        (True, False, [0.2, 0.9, 0.0, 0.6]),  # OPD-only
+        (False, True, [1.0, 1.0, 1.0, 1.0]),  # RL-only
+    ],
+)
 def test_worked_example_through_the_full_path(has_teacher, has_reward, expected):
     """The seeds' example, G = 1: teacher log-probs = old + [0.2, 0.9, 0.0, 0.6], reward +1.
 
@@ -71,22 +85,29 @@ def test_worked_example_through_the_full_path(has_teacher, has_reward, expected)
     gives loss = −Σ_t A_t / (B · norm_length) = −Σ A / 4; e.g. OPD+RL: −5.7 / 4 = −1.425.
     """
     policy = tiny_model()
-    batch = one_sample_batch(PROMPT, RESPONSE, HINT, reward=1.0, has_reward=has_reward,
-                             has_teacher=has_teacher)
+    batch = one_sample_batch(
+        PROMPT, RESPONSE, HINT, reward=1.0, has_reward=has_reward, has_teacher=has_teacher
+    )
     with torch.no_grad():
-        old = logprobs_from_logits(full_logits(policy, batch.input_ids, batch.attention_mask),
-                                   batch.input_ids)[0, len(PROMPT):]
+        old = logprobs_from_logits(
+            full_logits(policy, batch.input_ids, batch.attention_mask), batch.input_ids
+        )[0, len(PROMPT) :]
     logits = teacher_logits_for(old + DELTA, batch.teacher_input_ids, len(PROMPT) + len(HINT), 64)
     teacher = ScriptedTeacher(batch.teacher_input_ids, logits)
-    module = ComposerModule(policy, [DrGRPOHead(), OPDHead()], teacher=teacher,
-                            optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+    module = ComposerModule(
+        policy,
+        [DrGRPOHead(), OPDHead()],
+        teacher=teacher,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+    )
     obj, ctx = module.objective, context(module, batch)
     weights = obj.weights(0)
     terms = obj.advantage_terms(batch, obj.head_outputs(batch, ctx, weights), weights)
     mixed = sum(t.weight * t.advantages for t in terms)
-    torch.testing.assert_close(mixed[0, len(PROMPT):], torch.tensor(expected, dtype=torch.float64),
-                               rtol=0, atol=1e-10)
-    assert torch.all(mixed[0, :len(PROMPT)] == 0) and torch.all(ctx.logprobs == ctx.old_logprobs)
+    torch.testing.assert_close(
+        mixed[0, len(PROMPT) :], torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-10
+    )
+    assert torch.all(mixed[0, : len(PROMPT)] == 0) and torch.all(ctx.logprobs == ctx.old_logprobs)
     loss, _ = obj(batch, ctx, weights)
     assert float(loss) == pytest.approx(-sum(expected) / 4, abs=1e-12)
     teacher.calls = 0
@@ -106,17 +127,27 @@ def _grads(module: ComposerModule, batch) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.policy.named_parameters()}
 
 
-@pytest.mark.parametrize("zero_head", [
-    OPDHead(weight=0.0), SDPOHead(weight=0.0), SDPOHead(weight=1.0, warmup_steps=10),
-    KLHead(kl_coef=0.0, estimator="k3", placement="loss", name="kl_loss"), ReplayDPOHead(weight=0.0),
-])
+@pytest.mark.parametrize(
+    "zero_head",
+    [
+        OPDHead(weight=0.0),
+        SDPOHead(weight=0.0),
+        SDPOHead(weight=1.0, warmup_steps=10),
+        KLHead(kl_coef=0.0, estimator="k3", placement="loss", name="kl_loss"),
+        ReplayDPOHead(weight=0.0),
+    ],
+)
 def test_zero_weight_head_changes_no_gradient_bit_for_bit(zero_head):
     batch = synthetic_batch(torch.Generator().manual_seed(1), vocab_size=64)
     base = tiny_model()
-    with_zero = ComposerModule(copy.deepcopy(base), [DrGRPOHead(), KLHead(kl_coef=0.1), zero_head],
-                               reference=copy.deepcopy(base))
-    without = ComposerModule(copy.deepcopy(base), [DrGRPOHead(), KLHead(kl_coef=0.1)],
-                             reference=copy.deepcopy(base))
+    with_zero = ComposerModule(
+        copy.deepcopy(base),
+        [DrGRPOHead(), KLHead(kl_coef=0.1), zero_head],
+        reference=copy.deepcopy(base),
+    )
+    without = ComposerModule(
+        copy.deepcopy(base), [DrGRPOHead(), KLHead(kl_coef=0.1)], reference=copy.deepcopy(base)
+    )
     g1, g2 = _grads(with_zero, batch), _grads(without, batch)
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
 
@@ -124,7 +155,9 @@ def test_zero_weight_head_changes_no_gradient_bit_for_bit(zero_head):
 def test_dispatch_flags_zero_each_signal_exactly_with_groups():
     """G = 4: unrewarded samples get exactly 0 RL advantage (their reward value is ignored),
     unhinted samples exactly 0 OPD advantage."""
-    batch = synthetic_batch(torch.Generator().manual_seed(3), prompts=3, group_size=4, vocab_size=64)
+    batch = synthetic_batch(
+        torch.Generator().manual_seed(3), prompts=3, group_size=4, vocab_size=64
+    )
     batch.rewards[~batch.has_reward] = 1e6  # must not leak anywhere
     module = ComposerModule(tiny_model(), [DrGRPOHead(), OPDHead()])
     ctx = context(module, batch)
@@ -154,8 +187,14 @@ class Fixed(Head):
 
 
 def _ctx(logprobs, old, mask, aggregation="token_mean"):
-    return StepContext(global_step=0, logprobs=logprobs, old_logprobs=old, aggregation=aggregation,
-                       norm_length=mask.shape[1], temperature=1.0)
+    return StepContext(
+        global_step=0,
+        logprobs=logprobs,
+        old_logprobs=old,
+        aggregation=aggregation,
+        norm_length=mask.shape[1],
+        temperature=1.0,
+    )
 
 
 def _surrogate_by_hand(lp, old, adv, mask, lo=0.2, hi=0.28) -> float:
@@ -179,8 +218,15 @@ def _objective_case():
     lp = old + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)  # ratios in e^±0.5
     a1 = torch.randn(B, T, generator=g, dtype=torch.float64)
     a2 = -2.0 * a1 + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # opposite signs
-    batch = synthetic_batch(g, prompts=1, group_size=B, prompt_length=2, response_length=T - 2,
-                            vocab_size=64, reward_prob=1.0)
+    batch = synthetic_batch(
+        g,
+        prompts=1,
+        group_size=B,
+        prompt_length=2,
+        response_length=T - 2,
+        vocab_size=64,
+        reward_prob=1.0,
+    )
     batch.response_mask = mask
     return batch, lp, old, a1, a2, mask
 
@@ -193,13 +239,15 @@ def test_loss_mixing_equals_the_sum_of_per_term_surrogates_by_hand():
     ctx = _ctx(lp.clone().requires_grad_(), old, mask)
     per_term = Objective(heads(), aggregation="token_mean", mixing="loss")
     loss, _ = per_term(batch, ctx, {"one": 1.0, "two": 0.5})
-    expected = (_surrogate_by_hand(lp, old, a1 * mask, mask)
-                + _surrogate_by_hand(lp, old, 0.5 * a2 * mask, mask))
+    expected = _surrogate_by_hand(lp, old, a1 * mask, mask) + _surrogate_by_hand(
+        lp, old, 0.5 * a2 * mask, mask
+    )
     assert float(loss) == pytest.approx(expected, abs=1e-12)
     mixed = Objective(heads(), aggregation="token_mean", mixing="advantage")
     loss_mixed, metrics = mixed(batch, ctx, {"one": 1.0, "two": 0.5})
     assert float(loss_mixed) == pytest.approx(
-        _surrogate_by_hand(lp, old, (a1 + 0.5 * a2) * mask, mask), abs=1e-12)
+        _surrogate_by_hand(lp, old, (a1 + 0.5 * a2) * mask, mask), abs=1e-12
+    )
     assert metrics["ppo/clipfrac"] > 0 and abs(float(loss_mixed) - expected) > 1e-3
 
 
@@ -208,8 +256,11 @@ def test_variance_matching_scales_the_advantages_that_reach_the_surrogate():
     loss is −mean(Σ w_i s_i A_i) over the response tokens, computed here by hand."""
     batch, lp, _, a1, a2, mask = _objective_case()
     ctx = _ctx(lp.clone().requires_grad_(), lp, mask)
-    obj = Objective([Fixed("one", a1), Fixed("two", a2, weight=2.0)], aggregation="token_mean",
-                    variance_matching="one")
+    obj = Objective(
+        [Fixed("one", a1), Fixed("two", a2, weight=2.0)],
+        aggregation="token_mean",
+        variance_matching="one",
+    )
     loss, metrics = obj(batch, ctx, {"one": 1.0, "two": 2.0})
     s = float(a1[mask].std(unbiased=False) / a2[mask].std(unbiased=False))
     expected = -float(((a1 + 2.0 * s * a2) * mask).sum() / mask.sum())
@@ -221,7 +272,9 @@ def test_variance_matching_scales_the_advantages_that_reach_the_surrogate():
 def test_variance_matching_keeps_the_weight_of_a_constant_term():
     batch = synthetic_batch(torch.Generator().manual_seed(7), vocab_size=64)
     batch.rewards[:] = 1.0  # every group constant: σ(dr_grpo) = 0
-    module = ComposerModule(tiny_model(), [DrGRPOHead(weight=0.5), OPDHead()], variance_matching="opd")
+    module = ComposerModule(
+        tiny_model(), [DrGRPOHead(weight=0.5), OPDHead()], variance_matching="opd"
+    )
     _, metrics = module.objective(batch, context(module, batch), {"dr_grpo": 0.5, "opd": 1.0})
     assert metrics["dr_grpo/weight"] == 0.5
 
@@ -243,17 +296,25 @@ def test_entropy_bonus_subtracts_coef_times_aggregated_entropy():
 def test_minibatches_split_along_groups_and_recompute_old_logprobs():
     """Two minibatches: the first update sees ratio exactly 1 (old = recomputed before any
     update), the second sees the first update's effect (ratio ≠ 1)."""
-    batch = synthetic_batch(torch.Generator().manual_seed(8), prompts=4, group_size=2, vocab_size=64,
-                            reward_prob=1.0)
+    batch = synthetic_batch(
+        torch.Generator().manual_seed(8), prompts=4, group_size=2, vocab_size=64, reward_prob=1.0
+    )
     head = Recording(DrGRPOHead())
-    module = ComposerModule(tiny_model(), [head], minibatches=2,
-                            optimizer=lambda p: torch.optim.SGD(p, lr=1.0), max_grad_norm=None)
+    module = ComposerModule(
+        tiny_model(),
+        [head],
+        minibatches=2,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        max_grad_norm=None,
+    )
     parts = batch.group_splits(module.minibatches)
     assert len(parts) == 2
     for part in parts:  # no group is split
         groups = set(batch.group_ids[part].tolist())
-        assert all(set(torch.nonzero(batch.group_ids == g).flatten().tolist()) <= set(part.tolist())
-                   for g in groups)
+        assert all(
+            set(torch.nonzero(batch.group_ids == g).flatten().tolist()) <= set(part.tolist())
+            for g in groups
+        )
     _fit(module, batch)
     first, second = (float(s["log_ratio"].abs().max()) for s in head.seen)
     assert first == 0.0 and second > 1e-6
@@ -265,22 +326,39 @@ def test_teacher_and_kl_terms_are_fixed_for_the_whole_rollout_batch():
     """2 epochs × 2 minibatches with the live policy as teacher and KL in the advantage: the
     OPD and KL advantage terms of each minibatch are identical in all its updates and equal
     the values computed before any update, although the policy moves in between."""
-    batch = synthetic_batch(torch.Generator().manual_seed(9), prompts=4, group_size=2, vocab_size=64,
-                            reward_prob=1.0, hint_prob=1.0)
+    batch = synthetic_batch(
+        torch.Generator().manual_seed(9),
+        prompts=4,
+        group_size=2,
+        vocab_size=64,
+        reward_prob=1.0,
+        hint_prob=1.0,
+    )
     base = tiny_model()
     opd, kl = Recording(OPDHead()), Recording(KLHead(kl_coef=0.5))
-    module = ComposerModule(copy.deepcopy(base), [DrGRPOHead(), opd, kl], reference=tiny_model(seed=4),
-                            ppo_epochs=2, minibatches=2, max_grad_norm=None,
-                            optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    module = ComposerModule(
+        copy.deepcopy(base),
+        [DrGRPOHead(), opd, kl],
+        reference=tiny_model(seed=4),
+        ppo_epochs=2,
+        minibatches=2,
+        max_grad_norm=None,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+    )
     parts = batch.group_splits(module.minibatches)
-    before = ComposerModule(copy.deepcopy(base), [OPDHead(), KLHead(kl_coef=0.5)],
-                            reference=tiny_model(seed=4))
+    before = ComposerModule(
+        copy.deepcopy(base), [OPDHead(), KLHead(kl_coef=0.5)], reference=tiny_model(seed=4)
+    )
     expected = []
     for idx in parts:  # each minibatch on the untouched policy
         mb = batch.select(idx)
         ctx = context(before, mb)
-        expected.append((before.heads[0].compute(mb, ctx).advantages,
-                         before.heads[1].compute(mb, ctx).advantages))
+        expected.append(
+            (
+                before.heads[0].compute(mb, ctx).advantages,
+                before.heads[1].compute(mb, ctx).advantages,
+            )
+        )
     _fit(module, batch)
     assert len(opd.seen) == len(kl.seen) == 4
     assert any(float(s["log_ratio"].abs().max()) > 1e-4 for s in opd.seen)  # the policy moved
@@ -295,11 +373,23 @@ def test_sdpo_teacher_is_fixed_across_updates():
     """No hint (teacher context = student context) and the live policy as teacher: the first
     update's JSD is exactly 0; later ones are > 0 only because the teacher stays the policy of
     before the first update (a teacher recomputed from the updated policy would give 0 again)."""
-    batch = synthetic_batch(torch.Generator().manual_seed(10), prompts=2, group_size=2,
-                            vocab_size=64, hint_length=0, hint_prob=1.0, reward_prob=1.0)
+    batch = synthetic_batch(
+        torch.Generator().manual_seed(10),
+        prompts=2,
+        group_size=2,
+        vocab_size=64,
+        hint_length=0,
+        hint_prob=1.0,
+        reward_prob=1.0,
+    )
     sdpo = Recording(SDPOHead(clip=None))
-    module = ComposerModule(tiny_model(), [DrGRPOHead(), sdpo], ppo_epochs=3, max_grad_norm=None,
-                            optimizer=lambda p: torch.optim.SGD(p, lr=2.0))
+    module = ComposerModule(
+        tiny_model(),
+        [DrGRPOHead(), sdpo],
+        ppo_epochs=3,
+        max_grad_norm=None,
+        optimizer=lambda p: torch.optim.SGD(p, lr=2.0),
+    )
     policy0 = copy.deepcopy(module.policy)
     _fit(module, batch)
     jsd = [float(s["loss"]) for s in sdpo.seen]
@@ -308,5 +398,9 @@ def test_sdpo_teacher_is_fixed_across_updates():
         logits0 = full_logits(policy0, batch.input_ids, batch.attention_mask)
     mask = batch.sdpo_mask
     for s in sdpo.seen:
-        torch.testing.assert_close(s["teacher_logits"][:, 1:][mask[:, 1:]],
-                                   logits0[:, :-1][mask[:, 1:]], rtol=0, atol=1e-10)
+        torch.testing.assert_close(
+            s["teacher_logits"][:, 1:][mask[:, 1:]],
+            logits0[:, :-1][mask[:, 1:]],
+            rtol=0,
+            atol=1e-10,
+        )

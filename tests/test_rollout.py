@@ -22,11 +22,19 @@ POLICY = tiny_policy_path()
 
 def _fit(callbacks, steps=3, heads=None, lr=1e-3, **dm_kw):
     ckpt = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
-    module = ComposerModule(POLICY, heads or [DrGRPOHead(), OPDHead()],
-                            optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
+    module = ComposerModule(
+        POLICY, heads or [DrGRPOHead(), OPDHead()], optimizer=lambda p: torch.optim.AdamW(p, lr=lr)
+    )
     dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4, **dm_kw)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=ckpt,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=ckpt,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(module, dm)
     return module, dm, trainer
 
@@ -38,14 +46,18 @@ class Watch(L.Callback):
         self.engine, self.seen = engine, []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        same = all(torch.equal(p, self.engine._params[n]) for n, p in module.policy.named_parameters())
+        same = all(
+            torch.equal(p, self.engine._params[n]) for n, p in module.policy.named_parameters()
+        )
         self.seen.append((batch_idx, batch["rollout"].policy_version, module.policy_version, same))
 
 
 def _callback(**kw):
     engine = HFEngine(model_path=POLICY, seed=0)
     kw.setdefault("hint", VerifierHint())
-    return RolloutCallback(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), **kw)
+    return RolloutCallback(
+        engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), **kw
+    )
 
 
 def test_step_k_trains_on_rollouts_of_the_weights_after_update_k_minus_1():
@@ -57,10 +69,20 @@ def test_step_k_trains_on_rollouts_of_the_weights_after_update_k_minus_1():
     assert cb.engine.weight_version == module.policy_version == 4
     assert float(trainer.callback_metrics["rollout/logprob_gap_mean"]) < 1e-5
     assert dm.consumed == 4
-    for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean",
-                "rollout/response_length_max", "rollout/truncation_rate", "rollout/gen_time",
-                "rollout/push_time", "rollout/tokens_per_s", "dispatch/opd_rl", "dispatch/rl_only",
-                "dispatch/opd_only", "dispatch/dropped"):
+    for key in (
+        "rollout/reward_mean",
+        "rollout/reward_std",
+        "rollout/response_length_mean",
+        "rollout/response_length_max",
+        "rollout/truncation_rate",
+        "rollout/gen_time",
+        "rollout/push_time",
+        "rollout/tokens_per_s",
+        "dispatch/opd_rl",
+        "dispatch/rl_only",
+        "dispatch/opd_only",
+        "dispatch/dropped",
+    ):
         assert key in trainer.callback_metrics, key
 
 
@@ -73,7 +95,9 @@ class NoPush(RolloutCallback):
 
 def test_a_stale_engine_trips_the_canary():
     engine = HFEngine(model_path=POLICY, seed=0)
-    cb = NoPush(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), hint=VerifierHint())
+    cb = NoPush(
+        engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), hint=VerifierHint()
+    )
     with pytest.raises(OutOfSyncError, match="engine is out of sync"):
         _fit([cb], steps=6, lr=0.05)
 
@@ -130,8 +154,12 @@ def test_unknown_task_lists_the_known_ones():
 
 def test_prompt_stream_is_sharded_deterministic_and_resumable(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(10)))
-    dm = RolloutDataModule(tokenizer=POLICY, prompt_file=str(f), task="arithmetic", prompts_per_step=3)
+    f.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(10))
+    )
+    dm = RolloutDataModule(
+        tokenizer=POLICY, prompt_file=str(f), task="arithmetic", prompts_per_step=3
+    )
 
     class FakeTrainer:
         def __init__(self, rank):
@@ -153,16 +181,26 @@ def test_prompt_stream_is_sharded_deterministic_and_resumable(tmp_path):
 
 
 def test_resume_resyncs_the_engine_and_continues_the_prompt_stream(tmp_path):
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1
+    )
     first, dm, _ = _fit([_callback(), ckpt], steps=2, lr=0.05)
     path = sorted(tmp_path.glob("*step=2*.ckpt"))[0]
     cb = _callback()  # a fresh engine holds the ORIGINAL weights
-    module = ComposerModule(POLICY, [DrGRPOHead(), OPDHead()],
-                            optimizer=lambda p: torch.optim.AdamW(p, lr=0.05))
+    module = ComposerModule(
+        POLICY, [DrGRPOHead(), OPDHead()], optimizer=lambda p: torch.optim.AdamW(p, lr=0.05)
+    )
     dm2 = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4)
     watch = Watch(cb.engine)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, watch])
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb, watch],
+    )
     trainer.fit(module, dm2, ckpt_path=str(path))
     assert watch.seen == [(2, 2, 2, True)]  # synced to the restored weights before generating
     assert dm2.consumed == 3  # the stream continued after the 2 consumed batches
@@ -209,7 +247,9 @@ def test_trace_batches_are_sharded_by_data_parallel_rank():
 
     seen = []
     for rank in (0, 1):
-        dm = TraceDataModule(POLICY, str(ROOT / "examples" / "traces" / "tool_traces.jsonl"), batch_size=2)
+        dm = TraceDataModule(
+            POLICY, str(ROOT / "examples" / "traces" / "tool_traces.jsonl"), batch_size=2
+        )
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, strategy=None)
         seen.append([tuple(row.tolist()) for row in dm.batch(0).input_ids])
     assert not set(seen[0]) & set(seen[1])

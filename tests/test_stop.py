@@ -20,8 +20,13 @@ STEPS = 8
 
 
 def _args(root) -> list[str]:
-    return ["--config", CONFIG, f"--trainer.max_steps={STEPS}", f"--trainer.default_root_dir={root}",
-            f"--trainer.logger.init_args.save_dir={root}"]
+    return [
+        "--config",
+        CONFIG,
+        f"--trainer.max_steps={STEPS}",
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.logger.init_args.save_dir={root}",
+    ]
 
 
 def _weights(ckpt: str) -> dict[str, torch.Tensor]:
@@ -40,12 +45,18 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_saves_a_checkpoint_and_the_resumed_run_is_identical(signum, status, tmp_path,
-                                                                       uninterrupted):
+def test_a_signal_saves_a_checkpoint_and_the_resumed_run_is_identical(
+    signum, status, tmp_path, uninterrupted
+):
     marker = "--trainer.callbacks+=tests.helpers.StepMarker"
-    proc = subprocess.Popen([sys.executable, "-m", "composer_lightning", "fit", *_args(tmp_path), marker],
-                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "composer_lightning", "fit", *_args(tmp_path), marker],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stderr:  # stop it once two steps are done
         if line.startswith("STEP 2"):
             proc.send_signal(signum)

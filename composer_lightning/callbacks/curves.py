@@ -31,8 +31,12 @@ class Curves(L.Callback):
     def _collect(self, trainer: L.Trainer) -> None:
         step = trainer.global_step
         for key, value in trainer.callback_metrics.items():
-            if key == "rollout/reward_mean" or key.startswith("val/") or key.endswith(
-                    ("/adv_mean", "/loss", "/weight")) and not key.startswith(("train/", "ppo/")):
+            if (
+                key == "rollout/reward_mean"
+                or key.startswith("val/")
+                or key.endswith(("/adv_mean", "/loss", "/weight"))
+                and not key.startswith(("train/", "ppo/"))
+            ):
                 points = self.series[key]
                 if not points or points[-1][0] != step:
                     points.append((step, float(value)))
@@ -46,7 +50,9 @@ class Curves(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.draw(trainer)
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         self.draw(trainer)
 
     def draw(self, trainer: L.Trainer) -> str | None:
@@ -58,10 +64,14 @@ class Curves(L.Callback):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        panels = [("reward and validation", lambda k: k == "rollout/reward_mean" or k.startswith("val/")),
-                  ("head terms (advantage heads: mean advantage; loss heads: loss)",
-                   lambda k: k.endswith(("/adv_mean", "/loss"))),
-                  ("effective head weights", lambda k: k.endswith("/weight"))]
+        panels = [
+            ("reward and validation", lambda k: k == "rollout/reward_mean" or k.startswith("val/")),
+            (
+                "head terms (advantage heads: mean advantage; loss heads: loss)",
+                lambda k: k.endswith(("/adv_mean", "/loss")),
+            ),
+            ("effective head weights", lambda k: k.endswith("/weight")),
+        ]
         fig, axes = plt.subplots(len(panels), 1, figsize=(8, 9), sharex=True)
         for ax, (title, wanted) in zip(axes, panels, strict=True):
             for key in sorted(k for k in self.series if wanted(k)):

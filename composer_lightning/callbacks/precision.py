@@ -33,8 +33,9 @@ class AbsorbedUpdates(L.Callback):
         self._before: list[Tensor] | None = None
         self._done = False
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                                 optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
         if self._done or self._before is not None:
             return
         params = self._params(pl_module)
@@ -43,8 +44,14 @@ class AbsorbedUpdates(L.Callback):
             return
         self._before = [_local(p).detach().clone() for p in params]
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if self._done or self._before is None:
             return
         self._done = True
@@ -60,10 +67,13 @@ class AbsorbedUpdates(L.Callback):
         pl_module.log("train/absorbed_update_frac", frac, on_step=True, batch_size=1)
         if frac > self.threshold:
             dtype = next(iter(self._params(pl_module))).dtype
-            warnings.warn(f"{frac:.1%} of the policy's {dtype} weights with a non-zero gradient did "
-                          "not change in the first rollout batch's update: updates below half an "
-                          "ulp are absorbed by 16-bit weights. Use precision='bf16-mixed' (fp32 "
-                          "master weights, bf16 compute)", stacklevel=2)
+            warnings.warn(
+                f"{frac:.1%} of the policy's {dtype} weights with a non-zero gradient did "
+                "not change in the first rollout batch's update: updates below half an "
+                "ulp are absorbed by 16-bit weights. Use precision='bf16-mixed' (fp32 "
+                "master weights, bf16 compute)",
+                stacklevel=2,
+            )
 
     @staticmethod
     def _params(pl_module: L.LightningModule) -> list[Tensor]:

@@ -48,8 +48,9 @@ class StepProgress(ProgressBar):
     def _figures(self, trainer: L.Trainer) -> str:
         metrics = trainer.progress_bar_metrics
         parts = [f"{label} {float(metrics[key]):.3g}" for key, label in SHOWN if key in metrics]
-        self._val.update({k: float(v) for k, v in trainer.callback_metrics.items()
-                          if k.startswith("val/")})
+        self._val.update(
+            {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        )
         parts += [f"{k} {v:.3g}" for k, v in sorted(self._val.items())]
         return "  ".join(parts)
 
@@ -59,11 +60,24 @@ class StepProgress(ProgressBar):
         from tqdm.auto import tqdm
 
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        self._bar = tqdm(total=total, initial=trainer.global_step, desc="step", unit="step",
-                         dynamic_ncols=True, file=sys.stdout, leave=True)
+        self._bar = tqdm(
+            total=total,
+            initial=trainer.global_step,
+            desc="step",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stdout,
+            leave=True,
+        )
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if not self.is_enabled:
             return
         step, total = trainer.global_step, trainer.max_steps

@@ -29,8 +29,15 @@ from composer_lightning.errors import ConfigError
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError, VerifierScore
 
 
-def sampling_seed(base: int, step: int, rank: int, world_size: int, tensor_parallel_size: int,
-                  prompts: int, group_size: int) -> int:
+def sampling_seed(
+    base: int,
+    step: int,
+    rank: int,
+    world_size: int,
+    tensor_parallel_size: int,
+    prompts: int,
+    group_size: int,
+) -> int:
     """The seed of one generate call: never repeated across steps or ranks.
 
     Engines seed prompt i, sample j of a call with `seed + i * G + j`, so a call uses the seeds
@@ -65,10 +72,17 @@ class RolloutCallback(L.Callback):
         samples_per_step: samples written each time.
     """
 
-    def __init__(self, engine: RolloutEngine, group_size: int = 4,
-                 sampling: SamplingConfig | None = None, score: ScoreProvider | None = None,
-                 hint: HintProvider | None = None, hint_role: Literal["user", "system"] = "user",
-                 samples_every_n_steps: int = 10, samples_per_step: int = 4):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        group_size: int = 4,
+        sampling: SamplingConfig | None = None,
+        score: ScoreProvider | None = None,
+        hint: HintProvider | None = None,
+        hint_role: Literal["user", "system"] = "user",
+        samples_every_n_steps: int = 10,
+        samples_per_step: int = 4,
+    ):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if hint_role not in ("user", "system"):
@@ -78,8 +92,10 @@ class RolloutCallback(L.Callback):
         self.score = score if score is not None else VerifierScore()
         self.hint, self.hint_role = hint, hint_role
         if samples_every_n_steps < 0 or samples_per_step < 0:
-            raise ValueError(f"samples_every_n_steps ({samples_every_n_steps}) and samples_per_step "
-                             f"({samples_per_step}) must be >= 0")
+            raise ValueError(
+                f"samples_every_n_steps ({samples_every_n_steps}) and samples_per_step "
+                f"({samples_per_step}) must be >= 0"
+            )
         self.samples_every_n_steps, self.samples_per_step = samples_every_n_steps, samples_per_step
         self._samples: list[dict[str, Any]] = []
         self._last_start: float | None = None
@@ -92,14 +108,17 @@ class RolloutCallback(L.Callback):
         """Check the configuration, then start the engine on this rank (and form its group)."""
         temperature = getattr(pl_module, "temperature", self.sampling.temperature)
         if abs(temperature - self.sampling.temperature) > 1e-12:
-            raise ConfigError(f"the module's temperature ({temperature}) differs from the sampling "
-                              f"temperature ({self.sampling.temperature}); log-probs must be those "
-                              "of the sampling distribution: set both to the same value")
+            raise ConfigError(
+                f"the module's temperature ({temperature}) differs from the sampling "
+                f"temperature ({self.sampling.temperature}); log-probs must be those "
+                "of the sampling distribution: set both to the same value"
+            )
         context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
         tp = self.engine.tensor_parallel_size
         if context.world_size % tp:
-            raise ConfigError(f"tensor_parallel_size {tp} does not divide the world size "
-                              f"{context.world_size}")
+            raise ConfigError(
+                f"tensor_parallel_size {tp} does not divide the world size {context.world_size}"
+            )
         if self._base_seed is None:  # a fresh draw per run, different on every rank
             self._base_seed = int.from_bytes(os.urandom(6), "little")
         self.engine.start(context)
@@ -116,16 +135,25 @@ class RolloutCallback(L.Callback):
 
     def _push(self, pl_module: L.LightningModule) -> float:
         start = time.perf_counter()
-        self.engine.load_weights(iter_hf_weights(pl_module.policy), version=pl_module.policy_version)
+        self.engine.load_weights(
+            iter_hf_weights(pl_module.policy), version=pl_module.policy_version
+        )
         return time.perf_counter() - start
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         self._push_time = self._push(pl_module)  # logged with the next step's metrics
 
     # ------------------------------------------------------------------ generate
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         metrics, rollout, error = StepMetrics(), None, None
         if self._last_start is not None:  # the previous step, push included
@@ -143,24 +171,45 @@ class RolloutCallback(L.Callback):
         batch["rollout"] = rollout.to(pl_module.device)
         trainer.datamodule.consumed = int(batch["index"]) + 1
         pl_module.log_dict(reduced, on_step=True, batch_size=rollout.batch_size)
-        pl_module.log("reward", reduced["rollout/reward_mean"], on_step=True, prog_bar=True,
-                      logger=False, batch_size=rollout.batch_size)
+        pl_module.log(
+            "reward",
+            reduced["rollout/reward_mean"],
+            on_step=True,
+            prog_bar=True,
+            logger=False,
+            batch_size=rollout.batch_size,
+        )
         if "time/step" in reduced:
-            pl_module.log("s/step", reduced["time/step"], on_step=True, prog_bar=True, logger=False,
-                          batch_size=1)
+            pl_module.log(
+                "s/step",
+                reduced["time/step"],
+                on_step=True,
+                prog_bar=True,
+                logger=False,
+                batch_size=1,
+            )
 
-    def _rollout(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict[str, Any],
-                 metrics: StepMetrics) -> RolloutBatch:
+    def _rollout(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: dict[str, Any],
+        metrics: StepMetrics,
+    ) -> RolloutBatch:
         tokenizer = trainer.datamodule.tokenizer
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        sampling = replace(self.sampling, stop_token_ids=sorted(set(self.sampling.stop_token_ids) | set(eos)))
+        sampling = replace(
+            self.sampling, stop_token_ids=sorted(set(self.sampling.stop_token_ids) | set(eos))
+        )
         start = time.perf_counter()
         outs = self._generate(batch["prompt_ids"], sampling, int(batch["index"]))
         gen_time = time.perf_counter() - start
         self.engine.sleep()  # frees the device for the update (CUDA sleep mode), else nothing
         if self.engine.weight_version != pl_module.policy_version:
-            raise RuntimeError(f"engine weight version {self.engine.weight_version} != policy version "
-                               f"{pl_module.policy_version}: the push did not happen")
+            raise RuntimeError(
+                f"engine weight version {self.engine.weight_version} != policy version "
+                f"{pl_module.policy_version}: the push did not happen"
+            )
         rollout, local = self.build(batch, outs, tokenizer, sampling.max_tokens)
         rollout.policy_version = self.engine.weight_version
         tokens = local.pop("_tokens")
@@ -178,8 +227,9 @@ class RolloutCallback(L.Callback):
         metrics.sum("rollout/tokens_per_s", tokens / max(gen_time, 1e-9))
         return rollout
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, step: int
-                  ) -> list[list[Completion]]:
+    def _generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, step: int
+    ) -> list[list[Completion]]:
         """Generate this rank's prompts; with tensor parallelism the ranks of a group generate
         their gathered prompts together (as TRL's colocate mode does) and keep their own."""
         rank, size = world()
@@ -193,69 +243,113 @@ class RolloutCallback(L.Callback):
             offset = sum(len(p) for p in parts[: rank % tp])
             prompts = [p for part in parts for p in part]
         seed = sampling_seed(self._base_seed, step, rank, size, tp, len(prompts), self.group_size)
-        outs = self.engine.generate(prompts, n=self.group_size, sampling=replace(sampling, seed=seed))
-        return outs if tp == 1 else outs[offset: offset + len(mine)]
+        outs = self.engine.generate(
+            prompts, n=self.group_size, sampling=replace(sampling, seed=seed)
+        )
+        return outs if tp == 1 else outs[offset : offset + len(mine)]
 
-    def _sample(self, tokenizer: Any, problem: dict[str, Any], prompt: list[int], c: Completion,
-                hint: str | None) -> TraceSample:
+    def _sample(
+        self,
+        tokenizer: Any,
+        problem: dict[str, Any],
+        prompt: list[int],
+        c: Completion,
+        hint: str | None,
+    ) -> TraceSample:
         """One single-turn rollout as a tokenised sample, hinted teacher context included."""
         ids = list(prompt) + list(c.token_ids)
         response = [False] * len(prompt) + [True] * len(c.token_ids)
         if hint is None:
             return TraceSample(ids, response, None, [-1] * len(ids), [False] * len(ids), None)
-        teacher = single_turn_teacher(tokenizer, problem_messages(problem), c.token_ids, hint,
-                                      self.hint_role)
-        return TraceSample(ids, response, teacher.teacher_ids,
-                           teacher.positions(len(prompt), len(ids)), response, None)
+        teacher = single_turn_teacher(
+            tokenizer, problem_messages(problem), c.token_ids, hint, self.hint_role
+        )
+        return TraceSample(
+            ids,
+            response,
+            teacher.teacher_ids,
+            teacher.positions(len(prompt), len(ids)),
+            response,
+            None,
+        )
 
-    def build(self, batch: dict[str, Any], outs: list[list[Completion]], tokenizer: Any,
-              max_tokens: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def build(
+        self, batch: dict[str, Any], outs: list[list[Completion]], tokenizer: Any, max_tokens: int
+    ) -> tuple[RolloutBatch, dict[str, float]]:
         """Score, hint, dispatch, and pack the surviving samples."""
         problems, prompts = batch["problems"], batch["prompt_ids"]
         flat = [(i, c) for i, group in enumerate(outs) for c in group]
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
         flat_problems = [problems[i] for i, _ in flat]
         scores = self.score.score(flat_problems, texts)
-        hints = self.hint.hints(flat_problems, texts) if self.hint is not None else [None] * len(flat)
+        hints = (
+            self.hint.hints(flat_problems, texts) if self.hint is not None else [None] * len(flat)
+        )
         failures = getattr(self.score, "failures", 0)
         ScoringError.raise_if_all_failed(scores, min(failures, len(scores)))
         has_reward = [s is not None for s in scores]
         has_teacher = [h is not None for h in hints]
         keep = [k for k in range(len(flat)) if has_reward[k] or has_teacher[k]]
-        counts = {"dispatch/opd_rl": sum(has_reward[k] and has_teacher[k] for k in range(len(flat))),
-                  "dispatch/opd_only": sum(has_teacher[k] and not has_reward[k] for k in range(len(flat))),
-                  "dispatch/rl_only": sum(has_reward[k] and not has_teacher[k] for k in range(len(flat))),
-                  "dispatch/dropped": len(flat) - len(keep)}
+        counts = {
+            "dispatch/opd_rl": sum(has_reward[k] and has_teacher[k] for k in range(len(flat))),
+            "dispatch/opd_only": sum(
+                has_teacher[k] and not has_reward[k] for k in range(len(flat))
+            ),
+            "dispatch/rl_only": sum(has_reward[k] and not has_teacher[k] for k in range(len(flat))),
+            "dispatch/dropped": len(flat) - len(keep),
+        }
         if not keep:
-            raise ScoringError(f"no sample of rollout batch {batch['index']} has a usable score or "
-                               "an accepted hint: every sample was dropped")
-        samples = [self._sample(tokenizer, problems[flat[k][0]], prompts[flat[k][0]], flat[k][1],
-                                hints[k]) for k in keep]
-        rollout = pack_samples(samples, rewards=[scores[k] for k in keep],
-                               group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
-                               pad_id=tokenizer.pad_token_id or 0, max_response_length=max_tokens,
-                               engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs
-                                                for k in keep])
+            raise ScoringError(
+                f"no sample of rollout batch {batch['index']} has a usable score or "
+                "an accepted hint: every sample was dropped"
+            )
+        samples = [
+            self._sample(tokenizer, problems[flat[k][0]], prompts[flat[k][0]], flat[k][1], hints[k])
+            for k in keep
+        ]
+        rollout = pack_samples(
+            samples,
+            rewards=[scores[k] for k in keep],
+            group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
+            pad_id=tokenizer.pad_token_id or 0,
+            max_response_length=max_tokens,
+            engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs for k in keep],
+        )
         lengths = [len(flat[k][1].token_ids) for k in range(len(flat))]
         # the first sample of each of the first prompts: one row per prompt
-        self._samples = [{"prompt": problem_messages(flat_problems[k])[-1]["content"],
-                          "completion": texts[k], "reward": scores[k], "hint": hints[k]}
-                         for k in range(0, len(flat), self.group_size)][: self.samples_per_step]
+        self._samples = [
+            {
+                "prompt": problem_messages(flat_problems[k])[-1]["content"],
+                "completion": texts[k],
+                "reward": scores[k],
+                "hint": hints[k],
+            }
+            for k in range(0, len(flat), self.group_size)
+        ][: self.samples_per_step]
         if failures:
-            log.warning("rollout batch %s: %d of %d score calls failed (one line each above); "
-                        "those samples get no reward", batch["index"], failures, len(flat))
-        rewarded = torch.tensor([scores[k] for k in range(len(flat)) if has_reward[k]], dtype=torch.float)
+            log.warning(
+                "rollout batch %s: %d of %d score calls failed (one line each above); "
+                "those samples get no reward",
+                batch["index"],
+                failures,
+                len(flat),
+            )
+        rewarded = torch.tensor(
+            [scores[k] for k in range(len(flat)) if has_reward[k]], dtype=torch.float
+        )
         metrics = {
             **{k: float(v) for k, v in counts.items()},
             "rollout/reward_mean": float(rewarded.mean()) if len(rewarded) else 0.0,
             "rollout/reward_std": float(rewarded.std(unbiased=False)) if len(rewarded) else 0.0,
             "rollout/response_length_mean": sum(lengths) / len(lengths),
             "rollout/response_length_max": float(max(lengths)),
-            "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
+            "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat)
+            / len(flat),
             "rollout/score_failures": float(failures),
             "rollout/hint_failures": float(getattr(self.hint, "failures", 0)),
-            "rollout/judge_truncated": float(getattr(self.score, "truncated", 0)
-                                             + getattr(self.hint, "truncated", 0)),
+            "rollout/judge_truncated": float(
+                getattr(self.score, "truncated", 0) + getattr(self.hint, "truncated", 0)
+            ),
             "_tokens": float(sum(lengths)),
             "_rewarded": float(len(rewarded)),
         }
@@ -264,4 +358,3 @@ class RolloutCallback(L.Callback):
                 if getattr(provider, count, 0):
                     setattr(provider, count, 0)
         return rollout, metrics
-

@@ -49,14 +49,17 @@ class CheckpointOnStop(L.Callback):
         rank_zero_info("Ctrl-C: stopping after this step (checkpoint saved); again to abort now")
         os.kill(os.getpid(), signal.SIGTERM)  # Lightning's own stop at the end of the step
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         if not isinstance(exception, SIGTERMException):
             return
         path = os.path.join(checkpoint_dir(trainer), "last.ckpt")
         trainer.save_checkpoint(path)  # every rank: a collective under FSDP2
-        rank_zero_info(f"stopped by signal {int(self._signal)} after step {trainer.global_step}; "
-                       f"saved {path} (resume with --ckpt_path {path})")
+        rank_zero_info(
+            f"stopped by signal {int(self._signal)} after step {trainer.global_step}; "
+            f"saved {path} (resume with --ckpt_path {path})"
+        )
         exception.code = 128 + int(self._signal)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def read_jsonl(path: str, kind: str, check: Callable[[dict[str, Any]], str | None]) -> list[dict[str, Any]]:
+def read_jsonl(
+    path: str, kind: str, check: Callable[[dict[str, Any]], str | None]
+) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, one per non-blank line.
 
     Args:
@@ -34,8 +36,11 @@ def read_jsonl(path: str, kind: str, check: Callable[[dict[str, Any]], str | Non
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            problem = (f"expected a JSON object, got {type(obj).__name__}"
-                       if not isinstance(obj, dict) else check(obj))
+            problem = (
+                f"expected a JSON object, got {type(obj).__name__}"
+                if not isinstance(obj, dict)
+                else check(obj)
+            )
             if problem:
                 raise ValueError(f"{path}:{lineno}: {problem}")
             out.append(obj)

@@ -8,9 +8,15 @@ from composer_lightning.batch import RolloutBatch, pad_rows
 from composer_lightning.chat import TraceSample
 
 
-def pack_samples(samples: list[TraceSample], *, rewards: list[float | None], group_ids: list[int],
-                 pad_id: int, max_response_length: int,
-                 engine_logprobs: list[list[float]] | None = None) -> RolloutBatch:
+def pack_samples(
+    samples: list[TraceSample],
+    *,
+    rewards: list[float | None],
+    group_ids: list[int],
+    pad_id: int,
+    max_response_length: int,
+    engine_logprobs: list[list[float]] | None = None,
+) -> RolloutBatch:
     """Right-padded `RolloutBatch`: `has_reward` where a reward is given, `has_teacher` where the
     sample has a hinted teacher context. A sample without one gets a single attended pad token
     as its teacher row, so the shared teacher forward never sees a fully masked row."""
@@ -22,8 +28,11 @@ def pack_samples(samples: list[TraceSample], *, rewards: list[float | None], gro
         response_mask=pad_rows([s.response_mask for s in samples], False, torch.bool),
         rewards=torch.tensor([r or 0.0 for r in rewards], dtype=torch.float),
         has_reward=torch.tensor([r is not None for r in rewards]),
-        group_ids=torch.tensor(group_ids), max_response_length=max_response_length,
-        engine_logprobs=None if engine_logprobs is None else pad_rows(engine_logprobs, 0.0, torch.float),
+        group_ids=torch.tensor(group_ids),
+        max_response_length=max_response_length,
+        engine_logprobs=None
+        if engine_logprobs is None
+        else pad_rows(engine_logprobs, 0.0, torch.float),
         has_teacher=torch.tensor([s.has_teacher for s in samples]),
         teacher_input_ids=pad_rows(teacher_rows, pad_id),
         teacher_attention_mask=pad_rows([[1] * len(r) for r in teacher_rows]),

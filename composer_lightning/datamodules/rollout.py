@@ -77,9 +77,15 @@ class RolloutDataModule(L.LightningDataModule):
         seed: seed of the prompt stream.
     """
 
-    def __init__(self, tokenizer: str | None = None, task: str | None = "arithmetic",
-                 task_args: dict | None = None,
-                 prompt_file: str | None = None, prompts_per_step: int = 8, seed: int = 0):
+    def __init__(
+        self,
+        tokenizer: str | None = None,
+        task: str | None = "arithmetic",
+        task_args: dict | None = None,
+        prompt_file: str | None = None,
+        prompts_per_step: int = 8,
+        seed: int = 0,
+    ):
         super().__init__()
         if task is None and prompt_file is None:
             raise ValueError("RolloutDataModule needs a task or a prompt_file")
@@ -87,7 +93,9 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         self.tokenizer_path, self.task_name, self.prompt_file = tokenizer, task, prompt_file
         self.task: Task | None = get_task(task, **(task_args or {})) if task is not None else None
-        self.file_problems = read_prompt_file(prompt_file, task) if prompt_file is not None else None
+        self.file_problems = (
+            read_prompt_file(prompt_file, task) if prompt_file is not None else None
+        )
         self.prompts_per_step, self.seed = prompts_per_step, seed
         self.consumed = 0  # prompt batches handed to training (the stream position)
         self._tokenizer = None
@@ -101,8 +109,10 @@ class RolloutDataModule(L.LightningDataModule):
                 module = getattr(getattr(self, "trainer", None), "lightning_module", None)
                 self.tokenizer_path = getattr(module, "policy_path", None)
                 if self.tokenizer_path is None:
-                    raise ValueError("RolloutDataModule needs a tokenizer directory: the policy "
-                                     "is not a model directory it could follow")
+                    raise ValueError(
+                        "RolloutDataModule needs a tokenizer directory: the policy "
+                        "is not a model directory it could follow"
+                    )
             if not os.path.isdir(self.tokenizer_path):
                 raise FileNotFoundError(f"tokenizer directory {self.tokenizer_path!r} not found")
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
@@ -130,12 +140,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     def prompt_batch(self, index: int) -> dict[str, Any]:
         problems = self.problems(index)
-        return {"index": index, "problems": problems,
-                "prompt_ids": [tokenize_prompt(self.tokenizer, p) for p in problems]}
+        return {
+            "index": index,
+            "problems": problems,
+            "prompt_ids": [tokenize_prompt(self.tokenizer, p) for p in problems],
+        }
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(PromptStream(self, self.consumed), batch_size=None,
-                          collate_fn=lambda b: b)
+        return DataLoader(
+            PromptStream(self, self.consumed), batch_size=None, collate_fn=lambda b: b
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed": self.consumed, "seed": self.seed}

@@ -66,8 +66,14 @@ class TraceDataModule(L.LightningDataModule):
         seed: shuffling seed (each pass over the file is a fresh permutation).
     """
 
-    def __init__(self, tokenizer: str, trace_file: str, batch_size: int = 4, hint_role: str = "user",
-                 seed: int = 0):
+    def __init__(
+        self,
+        tokenizer: str,
+        trace_file: str,
+        batch_size: int = 4,
+        hint_role: str = "user",
+        seed: int = 0,
+    ):
         super().__init__()
         from transformers import AutoTokenizer
 
@@ -83,8 +89,9 @@ class TraceDataModule(L.LightningDataModule):
             self.samples.append(sample)
             self.rewards.append(rec.get("reward"))
         if not self.samples:
-            raise ValueError(f"no trace in {trace_file!r} has a usable hint or reward "
-                             f"({self.dropped} dropped)")
+            raise ValueError(
+                f"no trace in {trace_file!r} has a usable hint or reward ({self.dropped} dropped)"
+            )
         self.max_response_length = max(sum(s.response_mask) for s in self.samples)
         self.consumed = 0
 
@@ -94,9 +101,13 @@ class TraceDataModule(L.LightningDataModule):
         rank, size = data_parallel(trainer) if trainer is not None else (0, 1)
         start = (index * size + rank) * self.batch_size
         picks = stream_positions(start, start + self.batch_size, len(self.samples), self.seed)
-        rollout = pack_samples([self.samples[i] for i in picks], rewards=[self.rewards[i] for i in picks],
-                               group_ids=list(range(len(picks))), pad_id=self.tokenizer.pad_token_id or 0,
-                               max_response_length=self.max_response_length)
+        rollout = pack_samples(
+            [self.samples[i] for i in picks],
+            rewards=[self.rewards[i] for i in picks],
+            group_ids=list(range(len(picks))),
+            pad_id=self.tokenizer.pad_token_id or 0,
+            max_response_length=self.max_response_length,
+        )
         rollout.extras["index"] = index
         return rollout
 

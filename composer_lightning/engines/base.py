@@ -98,8 +98,11 @@ class EngineContext:
 
         import torch.distributed as dist
 
-        rank, size = (dist.get_rank(), dist.get_world_size()) if (
-            dist.is_available() and dist.is_initialized()) else (0, 1)
+        rank, size = (
+            (dist.get_rank(), dist.get_world_size())
+            if (dist.is_available() and dist.is_initialized())
+            else (0, 1)
+        )
         local = int(os.environ.get("LOCAL_RANK", rank if size > 1 else 0))
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return cls(rank, size, local, device, model_path)
@@ -162,8 +165,9 @@ class RolloutEngine(Protocol):
 class ChatEngine(Protocol):
     """A model that answers chat messages with text (a served judge, e.g. `OpenAIEngine`)."""
 
-    def chat(self, conversations: list[list[dict[str, str]]], n: int, sampling: SamplingConfig
-             ) -> list[list[Completion]]:
+    def chat(
+        self, conversations: list[list[dict[str, str]]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
         """`n` replies to each conversation, as completions with `.text` and `.finish_reason`."""
         ...
 
@@ -194,7 +198,8 @@ def check_model_dir(model_path: str | None, owner: str) -> None:
     if model_path is not None and not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(
             f"{owner}: model directory {model_path!r} not found or has no config.json; expected "
-            "a local HF model directory (nothing is downloaded from a hub)")
+            "a local HF model directory (nothing is downloaded from a hub)"
+        )
 
 
 def check_prompts(prompts: list[list[int]], n: int) -> None:

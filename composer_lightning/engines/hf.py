@@ -70,8 +70,10 @@ class HFEngine:
         else:
             path = self.model_path or context.model_path
             if path is None:
-                raise ValueError("HFEngine needs model_path (or model): the policy is not a "
-                                 "model directory it could follow")
+                raise ValueError(
+                    "HFEngine needs model_path (or model): the policy is not a "
+                    "model directory it could follow"
+                )
             check_model_dir(path, "HFEngine")
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         self.eos_token_ids = model_eos_ids(generation_config=model.generation_config)

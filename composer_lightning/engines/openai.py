@@ -29,8 +29,14 @@ class OpenAIEngine:
         max_concurrency: requests in flight at once.
     """
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout: float = 120.0, max_concurrency: int = 8):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        max_concurrency: int = 8,
+    ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"OpenAIEngine: base_url must be an http(s) URL, got {base_url!r}")
         if max_concurrency < 1:
@@ -46,13 +52,15 @@ class OpenAIEngine:
             return
         from openai import OpenAI
 
-        self.client = OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout,
-                             max_retries=2)
+        self.client = OpenAI(
+            base_url=self.base_url, api_key=self.api_key, timeout=self.timeout, max_retries=2
+        )
         if self.model is None:
             self.model = self.client.models.list().data[0].id
 
-    def chat(self, conversations: list[list[dict[str, str]]], n: int, sampling: SamplingConfig
-             ) -> list[list[Completion]]:
+    def chat(
+        self, conversations: list[list[dict[str, str]]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n!r}")
         self.start()
@@ -64,14 +72,24 @@ class OpenAIEngine:
             if sampling.stop_token_ids:
                 extra["stop_token_ids"] = list(sampling.stop_token_ids)  # likewise
             response = self.client.chat.completions.create(
-                model=self.model, messages=conversations[i], n=n,
-                temperature=sampling.temperature, top_p=sampling.top_p,
+                model=self.model,
+                messages=conversations[i],
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
                 max_tokens=sampling.max_tokens,
                 seed=None if sampling.seed is None else sampling.seed + i * n,
-                extra_body=extra or None)
-            return [Completion(token_ids=[], logprobs=[], text=choice.message.content or "",
-                               finish_reason="length" if choice.finish_reason == "length" else "stop")
-                    for choice in sorted(response.choices, key=lambda c: c.index)]
+                extra_body=extra or None,
+            )
+            return [
+                Completion(
+                    token_ids=[],
+                    logprobs=[],
+                    text=choice.message.content or "",
+                    finish_reason="length" if choice.finish_reason == "length" else "stop",
+                )
+                for choice in sorted(response.choices, key=lambda c: c.index)
+            ]
 
         with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
             return list(pool.map(one, range(len(conversations))))

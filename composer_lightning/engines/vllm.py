@@ -131,14 +131,20 @@ class VLLMEngine:
         llm_kwargs = dict(llm_kwargs or {})
         sleep = bool(llm_kwargs.pop("enable_sleep_mode", enable_sleep_mode))
         if sleep and not torch.cuda.is_available():
-            raise ValueError("VLLMEngine: enable_sleep_mode=True needs CUDA (vLLM's sleep mode is "
-                             "CUDA-only); set it to false on CPU")
+            raise ValueError(
+                "VLLMEngine: enable_sleep_mode=True needs CUDA (vLLM's sleep mode is "
+                "CUDA-only); set it to false on CPU"
+            )
         if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got "
-                             f"{gpu_memory_utilization}")
+            raise ValueError(
+                f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got "
+                f"{gpu_memory_utilization}"
+            )
         tp = llm_kwargs.get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"VLLMEngine: tensor_parallel_size must be an integer >= 1, got {tp!r}")
+            raise ValueError(
+                f"VLLMEngine: tensor_parallel_size must be an integer >= 1, got {tp!r}"
+            )
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.kv_cache_gib, self.gpu_memory_utilization = kv_cache_gib, gpu_memory_utilization
         self.enable_prefix_caching, self.max_model_len = enable_prefix_caching, max_model_len
@@ -154,8 +160,9 @@ class VLLMEngine:
         context = context or EngineContext.current()
         path = self.model_path or context.model_path
         if path is None:
-            raise ValueError("VLLMEngine needs model_path: the policy is not a model directory "
-                             "it could follow")
+            raise ValueError(
+                "VLLMEngine needs model_path: the policy is not a model directory it could follow"
+            )
         check_model_dir(path, "VLLMEngine")
         on_cuda = context.device.startswith("cuda")
         env = {
@@ -169,15 +176,22 @@ class VLLMEngine:
         if not self.verbose:
             env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
         kwargs: dict[str, Any] = dict(
-            model=path, dtype=self.dtype, seed=self.seed + context.rank // self.tensor_parallel_size,
+            model=path,
+            dtype=self.dtype,
+            seed=self.seed + context.rank // self.tensor_parallel_size,
             enforce_eager=True,
-            skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_model_len=self.max_model_len,
         )
         if context.world_size > 1:  # join the trainer's process group, one engine per rank
             kwargs["distributed_executor_backend"] = "external_launcher"
-            env.update(RANK=str(context.rank), LOCAL_RANK=str(context.local_rank),
-                       WORLD_SIZE=str(context.world_size))
+            env.update(
+                RANK=str(context.rank),
+                LOCAL_RANK=str(context.local_rank),
+                WORLD_SIZE=str(context.world_size),
+            )
         if not self.verbose:
             kwargs["use_tqdm_on_load"] = False
         if on_cuda:
@@ -228,7 +242,8 @@ class VLLMEngine:
             # the full weights never exist at once beside the model's own.
             stream = ((hf_name(name), tensor) for name, tensor in weights)
             self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+                "reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True}
+            )
             self._version = int(version)
             # Without this, cached prefixes computed with the old weights are reused.
             self.reset_cache()

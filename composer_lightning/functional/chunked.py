@@ -123,8 +123,9 @@ def chunked_logprobs_from_hidden(
         Per-token log-probs, column 0 = 0.
     """
     check_logits_and_ids(hidden, input_ids, "hidden")
-    return _chunked(_chunk_logprobs, hidden, lm_head_weight, input_ids, temperature, chunk_size,
-                    mask)
+    return _chunked(
+        _chunk_logprobs, hidden, lm_head_weight, input_ids, temperature, chunk_size, mask
+    )
 
 
 def chunked_entropy_from_hidden(
@@ -148,8 +149,9 @@ def chunked_entropy_from_hidden(
     """
     check_ndim("hidden", hidden, (3,))
     dummy_ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-    return _chunked(_chunk_entropy, hidden, lm_head_weight, dummy_ids, temperature, chunk_size,
-                    mask)
+    return _chunked(
+        _chunk_entropy, hidden, lm_head_weight, dummy_ids, temperature, chunk_size, mask
+    )
 
 
 def _chunk_jsd(

@@ -7,4 +7,12 @@ listing heads never imports a broken plugin.
 from composer_lightning.heads.base import REQUIREMENTS, Head, HeadOutput
 from composer_lightning.heads.schedules import Constant, LinearRamp, LinearWarmup, Schedule
 
-__all__ = ["REQUIREMENTS", "Head", "HeadOutput", "Schedule", "Constant", "LinearWarmup", "LinearRamp"]
+__all__ = [
+    "REQUIREMENTS",
+    "Head",
+    "HeadOutput",
+    "Schedule",
+    "Constant",
+    "LinearWarmup",
+    "LinearRamp",
+]

@@ -21,10 +21,18 @@ if TYPE_CHECKING:
     from composer_lightning.step import StepContext
 
 #: What a head may ask the step for (see `StepContext`).
-REQUIREMENTS = frozenset({
-    "entropy", "hidden", "logits", "teacher_logprobs", "teacher_hidden", "teacher_logits",
-    "ref_logprobs", "sequence_logprobs",
-})
+REQUIREMENTS = frozenset(
+    {
+        "entropy",
+        "hidden",
+        "logits",
+        "teacher_logprobs",
+        "teacher_hidden",
+        "teacher_logits",
+        "ref_logprobs",
+        "sequence_logprobs",
+    }
+)
 
 
 @dataclass
@@ -50,7 +58,9 @@ class HeadOutput:
         if (self.advantages is None) == (self.loss is None):
             raise ValueError("HeadOutput needs exactly one of `advantages` or `loss`")
         if self.loss is not None and self.loss.dim() != 0:
-            raise ValueError(f"HeadOutput.loss must be a scalar, got shape {tuple(self.loss.shape)}")
+            raise ValueError(
+                f"HeadOutput.loss must be a scalar, got shape {tuple(self.loss.shape)}"
+            )
 
 
 class Head(ABC):
@@ -69,7 +79,9 @@ class Head(ABC):
     default_name: ClassVar[str] = "head"
     requires: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, name: str | None = None, weight: float = 1.0, schedule: Schedule | None = None):
+    def __init__(
+        self, name: str | None = None, weight: float = 1.0, schedule: Schedule | None = None
+    ):
         self.name = name if name is not None else self.default_name
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"head name must be a non-empty string, got {self.name!r}")
@@ -78,11 +90,15 @@ class Head(ABC):
         if math.isnan(weight) or math.isinf(weight) or weight < 0:
             raise ValueError(f"{self.name}: weight must be finite and >= 0, got {weight}")
         if schedule is not None and not isinstance(schedule, Schedule):
-            raise ValueError(f"{self.name}: schedule must be a Schedule, got {type(schedule).__name__}")
+            raise ValueError(
+                f"{self.name}: schedule must be a Schedule, got {type(schedule).__name__}"
+            )
         unknown = set(self.requires) - REQUIREMENTS
         if unknown:
-            raise ValueError(f"{type(self).__name__}.requires has unknown entries {sorted(unknown)}; "
-                             f"expected a subset of {sorted(REQUIREMENTS)}")
+            raise ValueError(
+                f"{type(self).__name__}.requires has unknown entries {sorted(unknown)}; "
+                f"expected a subset of {sorted(REQUIREMENTS)}"
+            )
         self.weight = float(weight)
         self.schedule = schedule
 

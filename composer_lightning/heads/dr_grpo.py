@@ -22,7 +22,10 @@ class DrGRPOHead(Head):
         return HeadOutput(
             advantages=advantages.detach(),
             active_mask=active,
-            metrics={"reward_mean": batch.rewards[batch.has_reward].float().mean()
-                     if batch.has_reward.any() else 0.0,
-                     "rewarded_frac": batch.has_reward.float().mean()},
+            metrics={
+                "reward_mean": batch.rewards[batch.has_reward].float().mean()
+                if batch.has_reward.any()
+                else 0.0,
+                "rewarded_frac": batch.has_reward.float().mean(),
+            },
         )

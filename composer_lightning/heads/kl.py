@@ -32,17 +32,28 @@ class KLHead(Head):
     default_name = "kl"
     requires = frozenset({"ref_logprobs"})
 
-    def __init__(self, kl_coef: float = 0.001, estimator: Literal["k1", "k2", "k3"] = "k1",
-                 placement: Literal["advantage", "loss"] = "advantage",
-                 name: str | None = None, schedule: Schedule | None = None):
+    def __init__(
+        self,
+        kl_coef: float = 0.001,
+        estimator: Literal["k1", "k2", "k3"] = "k1",
+        placement: Literal["advantage", "loss"] = "advantage",
+        name: str | None = None,
+        schedule: Schedule | None = None,
+    ):
         super().__init__(name=name, weight=kl_coef, schedule=schedule)
         if placement not in _PLACEMENTS:
-            raise ValueError(f"{self.name}: placement must be one of {_PLACEMENTS}, got {placement!r}")
+            raise ValueError(
+                f"{self.name}: placement must be one of {_PLACEMENTS}, got {placement!r}"
+            )
         if estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"{self.name}: estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+            raise ValueError(
+                f"{self.name}: estimator must be 'k1', 'k2' or 'k3', got {estimator!r}"
+            )
         if placement == "loss" and estimator == "k1":
-            raise ValueError(f"{self.name}: estimator 'k1' cannot be used in the loss (its expected "
-                             "gradient is zero); use 'k2' or 'k3', or placement='advantage'")
+            raise ValueError(
+                f"{self.name}: estimator 'k1' cannot be used in the loss (its expected "
+                "gradient is zero); use 'k2' or 'k3', or placement='advantage'"
+            )
         self.estimator = estimator
         self.placement = placement
 
@@ -51,8 +62,14 @@ class KLHead(Head):
         n = mask.sum().clamp(min=1)
         if self.placement == "advantage":  # KL-in-reward: of the rollout policy, fixed per batch
             kl = kl_penalty(ctx.old_logprobs, ctx.ref_logprobs, self.estimator, response_mask=mask)
-            return HeadOutput(advantages=-kl.detach(), active_mask=mask,
-                              metrics={f"{self.estimator}_mean": kl.detach().sum() / n})
-        kl = kl_penalty(ctx.logprobs, ctx.ref_logprobs, self.estimator, response_mask=mask)  # [B, T]
-        return HeadOutput(loss=ctx.aggregate(kl, mask),
-                          metrics={f"{self.estimator}_mean": kl.detach().sum() / n})
+            return HeadOutput(
+                advantages=-kl.detach(),
+                active_mask=mask,
+                metrics={f"{self.estimator}_mean": kl.detach().sum() / n},
+            )
+        kl = kl_penalty(
+            ctx.logprobs, ctx.ref_logprobs, self.estimator, response_mask=mask
+        )  # [B, T]
+        return HeadOutput(
+            loss=ctx.aggregate(kl, mask), metrics={f"{self.estimator}_mean": kl.detach().sum() / n}
+        )

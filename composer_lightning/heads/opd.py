@@ -28,13 +28,18 @@ class OPDHead(Head):
         aligned = ctx.teacher_aligned  # [B]
         misaligned = batch.has_teacher & ~aligned
         if misaligned.any():
-            warnings.warn(f"{self.name}: {int(misaligned.sum())} sample(s) with misaligned teacher "
-                          "positions get no OPD term", stacklevel=2)
+            warnings.warn(
+                f"{self.name}: {int(misaligned.sum())} sample(s) with misaligned teacher "
+                "positions get no OPD term",
+                stacklevel=2,
+            )
         active = batch.response_mask & (batch.has_teacher & aligned).unsqueeze(1)  # [B, T]
         advantages = opd_advantages(ctx.teacher_logprobs, ctx.old_logprobs, active)
         return HeadOutput(
             advantages=advantages.detach(),
             active_mask=active,
-            metrics={"teacher_frac": batch.has_teacher.float().mean(),
-                     "misaligned": float(misaligned.sum())},
+            metrics={
+                "teacher_frac": batch.has_teacher.float().mean(),
+                "misaligned": float(misaligned.sum()),
+            },
         )

@@ -39,19 +39,34 @@ class ReplayDPOHead(Head):
     default_name = "replay_dpo"
     requires = frozenset({"sequence_logprobs"})
 
-    def __init__(self, weight: float = 0.1, beta: float = 0.1, label_smoothing: float = 0.0,
-                 capacity: int = 1024, pairs_per_step: int = 4, reference: Literal["record", "model"] = "record",
-                 seed: int = 0, name: str | None = None, schedule: Schedule | None = None):
+    def __init__(
+        self,
+        weight: float = 0.1,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        capacity: int = 1024,
+        pairs_per_step: int = 4,
+        reference: Literal["record", "model"] = "record",
+        seed: int = 0,
+        name: str | None = None,
+        schedule: Schedule | None = None,
+    ):
         super().__init__(name=name, weight=weight, schedule=schedule)
         if capacity < 1 or pairs_per_step < 1:
-            raise ValueError(f"{self.name}: capacity ({capacity}) and pairs_per_step "
-                             f"({pairs_per_step}) must be >= 1")
+            raise ValueError(
+                f"{self.name}: capacity ({capacity}) and pairs_per_step "
+                f"({pairs_per_step}) must be >= 1"
+            )
         if reference not in ("record", "model"):
-            raise ValueError(f"{self.name}: reference must be 'record' or 'model', got {reference!r}")
+            raise ValueError(
+                f"{self.name}: reference must be 'record' or 'model', got {reference!r}"
+            )
         if not beta > 0:
             raise ValueError(f"{self.name}: beta must be > 0, got {beta}")
         if not 0.0 <= label_smoothing < 0.5:
-            raise ValueError(f"{self.name}: label_smoothing must be in [0, 0.5), got {label_smoothing}")
+            raise ValueError(
+                f"{self.name}: label_smoothing must be in [0, 0.5), got {label_smoothing}"
+            )
         if reference == "model":
             self.requires = self.requires | {"ref_logprobs"}
         self.beta, self.label_smoothing, self.reference = beta, label_smoothing, reference
@@ -79,18 +94,30 @@ class ReplayDPOHead(Head):
                 continue
             c, rj = int(idx[r.argmax()]), int(idx[r.argmin()])
             (c_ids, c_resp, c_ref), (r_ids, r_resp, r_ref) = row(c), row(rj)
-            self._add({"chosen": c_ids, "chosen_resp": c_resp, "ref_chosen": c_ref,
-                       "rejected": r_ids, "rejected_resp": r_resp, "ref_rejected": r_ref})
+            self._add(
+                {
+                    "chosen": c_ids,
+                    "chosen_resp": c_resp,
+                    "ref_chosen": c_ref,
+                    "rejected": r_ids,
+                    "rejected_resp": r_resp,
+                    "ref_rejected": r_ref,
+                }
+            )
         if batch.dpo_pairs is not None:
             p = batch.dpo_pairs
             for i in range(len(p)):
                 ck, rk = p.chosen_attention_mask[i].bool(), p.rejected_attention_mask[i].bool()
-                self._add({"chosen": p.chosen_input_ids[i][ck].cpu(),
-                           "chosen_resp": p.chosen_response_mask[i][ck].bool().cpu(),
-                           "ref_chosen": p.ref_chosen_logprobs[i].cpu(),
-                           "rejected": p.rejected_input_ids[i][rk].cpu(),
-                           "rejected_resp": p.rejected_response_mask[i][rk].bool().cpu(),
-                           "ref_rejected": p.ref_rejected_logprobs[i].cpu()})
+                self._add(
+                    {
+                        "chosen": p.chosen_input_ids[i][ck].cpu(),
+                        "chosen_resp": p.chosen_response_mask[i][ck].bool().cpu(),
+                        "ref_chosen": p.ref_chosen_logprobs[i].cpu(),
+                        "rejected": p.rejected_input_ids[i][rk].cpu(),
+                        "rejected_resp": p.rejected_response_mask[i][rk].bool().cpu(),
+                        "ref_rejected": p.ref_rejected_logprobs[i].cpu(),
+                    }
+                )
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         if not self.buffer:
@@ -116,14 +143,26 @@ class ReplayDPOHead(Head):
         else:
             ref_c = torch.stack([p["ref_chosen"] for p in pairs]).to(device, seq_lp.dtype)
             ref_r = torch.stack([p["ref_rejected"] for p in pairs]).to(device, seq_lp.dtype)
-        loss = dpo_loss(seq_lp[:k], seq_lp[k:], ref_c, ref_r, beta=self.beta,
-                        label_smoothing=self.label_smoothing)
-        chosen_r, rejected_r = dpo_rewards(seq_lp[:k].detach(), seq_lp[k:].detach(), ref_c, ref_r,
-                                           beta=self.beta)
-        return HeadOutput(loss=loss, metrics={
-            "reward_accuracy": (chosen_r > rejected_r).float().mean(),
-            "reward_margin": (chosen_r - rejected_r).mean(),
-            "buffer_size": float(len(self.buffer)), "pairs": float(k)})
+        loss = dpo_loss(
+            seq_lp[:k],
+            seq_lp[k:],
+            ref_c,
+            ref_r,
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+        )
+        chosen_r, rejected_r = dpo_rewards(
+            seq_lp[:k].detach(), seq_lp[k:].detach(), ref_c, ref_r, beta=self.beta
+        )
+        return HeadOutput(
+            loss=loss,
+            metrics={
+                "reward_accuracy": (chosen_r > rejected_r).float().mean(),
+                "reward_margin": (chosen_r - rejected_r).mean(),
+                "buffer_size": float(len(self.buffer)),
+                "pairs": float(k),
+            },
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffer": list(self.buffer), "generator": self.generator.get_state()}

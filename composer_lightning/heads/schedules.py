@@ -65,7 +65,9 @@ class LinearRamp(Schedule):
         self.start_step = _check_step("LinearRamp.start_step", start_step)
         self.end_step = _check_step("LinearRamp.end_step", end_step)
         if self.end_step < self.start_step:
-            raise ValueError(f"LinearRamp.end_step ({end_step}) must be >= start_step ({start_step})")
+            raise ValueError(
+                f"LinearRamp.end_step ({end_step}) must be >= start_step ({start_step})"
+            )
 
     def __call__(self, step: int) -> float:
         if step <= self.start_step:

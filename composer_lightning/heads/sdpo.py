@@ -35,9 +35,17 @@ class SDPOHead(Head):
     default_name = "sdpo"
     requires = frozenset({"hidden", "teacher_hidden"})
 
-    def __init__(self, weight: float = 1.0, beta: float = 0.5, temperature: float = 1.0,
-                 clip: float | None = 0.05, clip_mode: Literal["element", "token"] = "element", warmup_steps: int = 0,
-                 name: str | None = None, schedule: Schedule | None = None):
+    def __init__(
+        self,
+        weight: float = 1.0,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        clip: float | None = 0.05,
+        clip_mode: Literal["element", "token"] = "element",
+        warmup_steps: int = 0,
+        name: str | None = None,
+        schedule: Schedule | None = None,
+    ):
         if schedule is None and warmup_steps:
             schedule = LinearWarmup(warmup_steps)
         super().__init__(name=name, weight=weight, schedule=schedule)
@@ -48,25 +56,42 @@ class SDPOHead(Head):
         if clip is not None and not clip > 0:
             raise ValueError(f"{self.name}: clip must be > 0 or None, got {clip}")
         if clip_mode not in ("element", "token"):
-            raise ValueError(f"{self.name}: clip_mode must be 'element' or 'token', got {clip_mode!r}")
+            raise ValueError(
+                f"{self.name}: clip_mode must be 'element' or 'token', got {clip_mode!r}"
+            )
         self.beta, self.temperature, self.clip, self.clip_mode = beta, temperature, clip, clip_mode
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         supervised = batch.sdpo_mask & batch.has_teacher.unsqueeze(1)  # [B, T]
         misaligned = supervised.any(dim=1) & ~ctx.teacher_aligned  # [B]
         if misaligned.any():
-            warnings.warn(f"{self.name}: teacher positions do not align with the student's response "
-                          f"tokens in {int(misaligned.sum())} sample(s); their SDPO term is skipped",
-                          stacklevel=2)
+            warnings.warn(
+                f"{self.name}: teacher positions do not align with the student's response "
+                f"tokens in {int(misaligned.sum())} sample(s); their SDPO term is skipped",
+                stacklevel=2,
+            )
         mask = supervised & ~misaligned.unsqueeze(1)  # [B, T]
         # Only the supervised tokens' hidden states enter the divergence, [N, H]; the LM head
         # is applied to them in chunks, so no [N, V] logits outlive one chunk.
         per_token, capped = chunked_generalized_jsd(
-            ctx.hidden[mask], ctx.lm_head_weight, ctx.teacher_hidden[mask],
-            ctx.teacher_lm_head_weight, beta=self.beta, temperature=self.temperature,
-            clip=self.clip, clip_mode=self.clip_mode, chunk_size=ctx.chunk_size)  # [N] each
+            ctx.hidden[mask],
+            ctx.lm_head_weight,
+            ctx.teacher_hidden[mask],
+            ctx.teacher_lm_head_weight,
+            beta=self.beta,
+            temperature=self.temperature,
+            clip=self.clip,
+            clip_mode=self.clip_mode,
+            chunk_size=ctx.chunk_size,
+        )  # [N] each
         n = int(mask.sum())
         loss = per_token.sum() / max(n, 1)  # 0, still attached to the graph, when n = 0
-        return HeadOutput(loss=loss, metrics={
-            "jsd": loss.detach(), "capped_frac": capped.float().mean() if n else 0.0,
-            "tokens": float(n), "misaligned": float(misaligned.sum())})
+        return HeadOutput(
+            loss=loss,
+            metrics={
+                "jsd": loss.detach(),
+                "capped_frac": capped.float().mean() if n else 0.0,
+                "tokens": float(n),
+                "misaligned": float(misaligned.sum()),
+            },
+        )

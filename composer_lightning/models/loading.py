@@ -17,11 +17,14 @@ def load_causal_lm(spec: str | nn.Module, dtype: torch.dtype = torch.float32) ->
     if isinstance(spec, nn.Module):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"a model is a local HF directory or an nn.Module, got {type(spec).__name__}")
+        raise TypeError(
+            f"a model is a local HF directory or an nn.Module, got {type(spec).__name__}"
+        )
     if not os.path.isdir(spec) or not os.path.isfile(os.path.join(spec, "config.json")):
         raise FileNotFoundError(
             f"model directory {spec!r} not found or has no config.json; expected a local HF model "
-            "directory (nothing is downloaded from a hub)")
+            "directory (nothing is downloaded from a hub)"
+        )
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).train()

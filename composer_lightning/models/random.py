@@ -34,9 +34,16 @@ def build_random_llama(
         `path` as a string.
     """
     config = llama_config(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
         initializer_range=initializer_range,
     )
     with torch.random.fork_rng(devices=[]):

@@ -81,10 +81,17 @@ def tiny_llama_config(
 ) -> LlamaConfig:
     """The tiny policy's Llama config (head_dim = hidden / heads ≥ 32: vLLM's CPU attention)."""
     return llama_config(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        dtype="float32",
     )
 
 

@@ -146,8 +146,12 @@ class _VerifierBase:
                 out.append(self._task_for(problem).verify(problem, completion))
             except Exception as exc:  # a broken verifier must not crash the batch
                 self.failures += 1
-                logger.warning("verifier raised on sample %d (it gets no score/hint): %s: %s", i,
-                               type(exc).__name__, exc)
+                logger.warning(
+                    "verifier raised on sample %d (it gets no score/hint): %s: %s",
+                    i,
+                    type(exc).__name__,
+                    exc,
+                )
                 out.append(None)
         return out
 
@@ -188,10 +192,13 @@ class FunctionScore(ScoreProvider):
         clip: optional `(low, high)` bounds the rewards are clipped to.
     """
 
-    def __init__(self, fn: Callable[[Problem, str], float],
-                 clip: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self, fn: Callable[[Problem, str], float], clip: tuple[float, float] | None = None
+    ) -> None:
         if clip is not None and not clip[0] <= clip[1]:
-            raise ValueError(f"FunctionScore: clip must be (low, high) with low <= high, got {clip}")
+            raise ValueError(
+                f"FunctionScore: clip must be (low, high) with low <= high, got {clip}"
+            )
         self.fn, self.clip = fn, clip
         self.failures = 0
 
@@ -203,10 +210,16 @@ class FunctionScore(ScoreProvider):
                 value = float(self.fn(problem, completion))
                 if value != value or value in (float("inf"), float("-inf")):
                     raise ValueError(f"reward function returned {value}")
-                out.append(value if self.clip is None else min(self.clip[1], max(self.clip[0], value)))
+                out.append(
+                    value if self.clip is None else min(self.clip[1], max(self.clip[0], value))
+                )
             except Exception as exc:
                 self.failures += 1
-                logger.warning("reward function raised on sample %d (it gets no score): %s: %s", i,
-                               type(exc).__name__, exc)
+                logger.warning(
+                    "reward function raised on sample %d (it gets no score): %s: %s",
+                    i,
+                    type(exc).__name__,
+                    exc,
+                )
                 out.append(None)
         return out

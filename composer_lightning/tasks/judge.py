@@ -109,8 +109,10 @@ class _Judge:
         if votes < 1:
             raise ValueError(f"votes must be >= 1, got {votes}")
         if tokenizer is None and not isinstance(engine, ChatEngine):
-            raise ValueError("a judge on a token-id engine needs the judge model's tokenizer; "
-                             "a served judge (OpenAIEngine) does not")
+            raise ValueError(
+                "a judge on a token-id engine needs the judge model's tokenizer; "
+                "a served judge (OpenAIEngine) does not"
+            )
         if isinstance(tokenizer, str):  # a local directory, as YAML configs give it
             from transformers import AutoTokenizer
 
@@ -131,8 +133,11 @@ class _Judge:
     def prompt_text(self, problem: Problem, completion: str) -> str:
         """The judge's user message for one sample (placeholders replaced in one pass)."""
         chat = problem.get("messages") or [{"role": "user", "content": problem.get("prompt", "")}]
-        values = {"prompt": render_chat(chat), "answer": str(problem.get("answer", "")),
-                  "response": completion}
+        values = {
+            "prompt": render_chat(chat),
+            "answer": str(problem.get("answer", "")),
+            "response": completion,
+        }
         return _PLACEHOLDER.sub(lambda m: values[m.group(1)], self.template)
 
     def prompt_ids(self, text: str) -> list[int]:
@@ -153,20 +158,32 @@ class _Judge:
         texts = [self.prompt_text(p, c) for p, c in zip(problems, completions, strict=True)]
         try:
             if isinstance(self.engine, ChatEngine):
-                outs = self.engine.chat([[{"role": "user", "content": t}] for t in texts],
-                                        self.votes, self.sampling)
+                outs = self.engine.chat(
+                    [[{"role": "user", "content": t}] for t in texts], self.votes, self.sampling
+                )
             else:
-                outs = self.engine.generate([self.prompt_ids(t) for t in texts], self.votes,
-                                            self.sampling)
+                outs = self.engine.generate(
+                    [self.prompt_ids(t) for t in texts], self.votes, self.sampling
+                )
         except Exception as exc:
             self.failures += len(problems)
-            logger.warning("judge engine raised (%d samples get no judgement): %s: %s",
-                           len(problems), type(exc).__name__, exc)
+            logger.warning(
+                "judge engine raised (%d samples get no judgement): %s: %s",
+                len(problems),
+                type(exc).__name__,
+                exc,
+            )
             return None
         self.truncated += sum(c.finish_reason == "length" for group in outs for c in group)
-        return [[c.text if c.text is not None else
-                 self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
-                for group in outs]
+        return [
+            [
+                c.text
+                if c.text is not None
+                else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                for c in group
+            ]
+            for group in outs
+        ]
 
 
 class LLMJudgeScore(_Judge, ScoreProvider):

@@ -22,8 +22,9 @@ def test_trace_batches_follow_the_contract_and_the_dispatch():
     batch = dm.batch(0)
     assert batch.batch_size == 9
     # every mapped student token sits at a teacher position holding the same token
-    assert teacher_alignment(batch.input_ids, batch.teacher_input_ids, batch.teacher_positions,
-                             batch.sdpo_mask).all()
+    assert teacher_alignment(
+        batch.input_ids, batch.teacher_input_ids, batch.teacher_positions, batch.sdpo_mask
+    ).all()
     assert torch.all(batch.sdpo_mask <= batch.response_mask)
     assert torch.all(batch.has_teacher == batch.sdpo_mask.any(1))
     tok = dm.tokenizer
@@ -48,7 +49,11 @@ def test_trace_file_errors(tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}], "reward": 3}) + "\n")
     with pytest.raises(ValueError, match="t.jsonl:1: reward must be a number in \\[0, 1\\], got 3"):
         TraceDataModule(tokenizer=POLICY, trace_file=str(bad))
-    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"},
-                                            {"role": "assistant", "content": "y"}]}) + "\n")
+    bad.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+        )
+        + "\n"
+    )
     with pytest.raises(ValueError, match="no trace .* has a usable hint or reward"):
         TraceDataModule(tokenizer=POLICY, trace_file=str(bad))

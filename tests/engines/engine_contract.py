@@ -75,8 +75,9 @@ def check_shapes(engine, policy) -> dict:
             reasons.append(c.finish_reason)
     assert {"stop", "length"} <= set(reasons), reasons
     # top-k / top-p: processed log-probs of sampled tokens stay finite
-    truncated = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, max_tokens=6, seed=4,
-                               ignore_eos=True)
+    truncated = SamplingConfig(
+        temperature=0.8, top_k=5, top_p=0.9, max_tokens=6, seed=4, ignore_eos=True
+    )
     for completions in engine.generate(PROMPTS[:2], 2, truncated):
         for c in completions:
             assert len(c.token_ids) == 6 and all(math.isfinite(lp) for lp in c.logprobs)

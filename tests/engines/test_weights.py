@@ -58,8 +58,15 @@ def test_tied_weights_are_yielded_under_every_name():
 
     from composer_lightning.engines import iter_hf_weights
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                         num_attention_heads=1, intermediate_size=64,
-                                         tie_word_embeddings=True))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            intermediate_size=64,
+            tie_word_embeddings=True,
+        )
+    )
     names = [n for n, _ in iter_hf_weights(model)]
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names

@@ -58,10 +58,14 @@ def test_chunked_with_a_mask_computes_only_the_masked_tokens(chunk_size):
     keep = mask.clone()
     keep[:, 0] = False
     for chunked, full in [
-        (lambda m: chunked_logprobs_from_hidden(hidden, weight, ids, 0.8, chunk_size, mask=m),
-         lambda: logprobs_from_logits(hidden @ weight.T, ids, 0.8)),
-        (lambda m: chunked_entropy_from_hidden(hidden, weight, 0.8, chunk_size, mask=m),
-         lambda: entropy_from_logits(hidden @ weight.T, 0.8)),
+        (
+            lambda m: chunked_logprobs_from_hidden(hidden, weight, ids, 0.8, chunk_size, mask=m),
+            lambda: logprobs_from_logits(hidden @ weight.T, ids, 0.8),
+        ),
+        (
+            lambda m: chunked_entropy_from_hidden(hidden, weight, 0.8, chunk_size, mask=m),
+            lambda: entropy_from_logits(hidden @ weight.T, 0.8),
+        ),
     ]:
         got, want = chunked(mask), full() * keep
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)

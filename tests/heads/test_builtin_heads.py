@@ -45,7 +45,9 @@ def test_sdpo_equals_the_jsd_of_student_and_hinted_teacher_on_masked_tokens():
 
 def test_sdpo_without_a_hint_in_context_is_zero():
     """Teacher = the live policy on the very same context: JSD(p, p) = 0."""
-    batch = one_sample_batch([5, 9], [20, 21, 22], [], reward=1.0, has_reward=True, has_teacher=True)
+    batch = one_sample_batch(
+        [5, 9], [20, 21, 22], [], reward=1.0, has_reward=True, has_teacher=True
+    )
     head = SDPOHead()
     module = ComposerModule(tiny_model(), [head])
     out = head.compute(batch, context(module, batch, set(head.requires)))
@@ -53,7 +55,9 @@ def test_sdpo_without_a_hint_in_context_is_zero():
 
 
 def test_misaligned_teacher_positions_skip_sdpo_and_opd_with_a_warning():
-    batch = one_sample_batch([5, 9], [20, 21, 22], [40], reward=1.0, has_reward=True, has_teacher=True)
+    batch = one_sample_batch(
+        [5, 9], [20, 21, 22], [40], reward=1.0, has_reward=True, has_teacher=True
+    )
     batch.teacher_positions[batch.teacher_positions >= 0] -= 1  # off by one: wrong tokens
     module = ComposerModule(tiny_model(), [SDPOHead(), OPDHead()])
     ctx = context(module, batch, {"hidden", "teacher_hidden", "teacher_logprobs"})
@@ -79,10 +83,15 @@ def test_a_teacher_position_past_the_row_skips_only_that_sample():
         out = head.compute(batch, ctx)
     s_logits = full_logits(policy, batch.input_ids, batch.attention_mask)
     t_logits = full_logits(teacher, batch.teacher_input_ids, batch.teacher_attention_mask)
-    rows = [(t, int(batch.teacher_positions[0, t])) for t in range(batch.input_ids.shape[1])
-            if batch.sdpo_mask[0, t]]
-    ref = generalized_jsd(torch.stack([s_logits[0, t - 1] for t, _ in rows]),
-                          torch.stack([t_logits[0, p - 1] for _, p in rows]))
+    rows = [
+        (t, int(batch.teacher_positions[0, t]))
+        for t in range(batch.input_ids.shape[1])
+        if batch.sdpo_mask[0, t]
+    ]
+    ref = generalized_jsd(
+        torch.stack([s_logits[0, t - 1] for t, _ in rows]),
+        torch.stack([t_logits[0, p - 1] for _, p in rows]),
+    )
     torch.testing.assert_close(out.loss, ref, rtol=0, atol=1e-12)
     assert out.metrics["tokens"] == len(rows) and out.metrics["misaligned"] == 1.0
 
@@ -102,8 +111,9 @@ def test_kl_to_a_fresh_reference_copy_is_zero_and_matches_kl_penalty():
                 p.add_(0.05 * torch.randn_like(p))
         ctx = context(module, batch, set(head.requires))
         out = head.compute(batch, ctx)
-        ref_lp = logprobs_from_logits(full_logits(module.reference, batch.input_ids,
-                                                     batch.attention_mask), batch.input_ids)
+        ref_lp = logprobs_from_logits(
+            full_logits(module.reference, batch.input_ids, batch.attention_mask), batch.input_ids
+        )
         k = kl_penalty(ctx.logprobs.detach(), ref_lp, est) * batch.response_mask
         if placement == "advantage":
             torch.testing.assert_close(out.advantages, -k, rtol=0, atol=1e-12)
@@ -120,7 +130,9 @@ def test_replay_dpo_records_pairs_and_starts_at_log2():
     ctx = context(module, batch, set(head.requires))
     head.on_rollout(batch, ctx.old_logprobs)
     groups_with_pairs = sum(
-        int(len(set(batch.rewards[batch.group_ids == g].tolist())) > 1) for g in batch.group_ids.unique())
+        int(len(set(batch.rewards[batch.group_ids == g].tolist())) > 1)
+        for g in batch.group_ids.unique()
+    )
     assert len(head.buffer) == min(groups_with_pairs, 3) > 0
     out = head.compute(batch, ctx)
     assert float(out.loss) == pytest.approx(math.log(2), abs=1e-12)
@@ -155,8 +167,9 @@ def test_replay_dpo_prefers_the_higher_reward_sample():
     module = ComposerModule(policy, [head])
 
     def seq_lp(model):
-        lp = logprobs_from_logits(full_logits(model, batch.input_ids, batch.attention_mask),
-                                  batch.input_ids)
+        lp = logprobs_from_logits(
+            full_logits(model, batch.input_ids, batch.attention_mask), batch.input_ids
+        )
         return (lp * batch.response_mask).sum(1)
 
     with torch.no_grad():

@@ -25,7 +25,9 @@ NAMES = sorted(registry.registered())
 
 @pytest.fixture(scope="module")
 def ctx_and_batch():
-    batch = synthetic_batch(torch.Generator().manual_seed(0), prompts=3, group_size=4, vocab_size=64)
+    batch = synthetic_batch(
+        torch.Generator().manual_seed(0), prompts=3, group_size=4, vocab_size=64
+    )
     module = ComposerModule(tiny_model(), [registry.load("kl")()])
     ctx = context(module, batch, set(REQUIREMENTS))
     return ctx, batch
@@ -64,34 +66,52 @@ def test_schedules():
     assert h.effective_weight(15) == 1.0
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: registry.load("dr_grpo")(weight=-1.0), "weight must be finite and >= 0, got -1.0"),
-    (lambda: registry.load("dr_grpo")(weight=float("nan")), "got nan"),
-    (lambda: registry.load("sdpo")(beta=1.5), "beta must be in \\[0, 1\\], got 1.5"),
-    (lambda: registry.load("sdpo")(temperature=0.0), "temperature must be > 0, got 0.0"),
-    (lambda: registry.load("sdpo")(clip=0.0), "clip must be > 0 or None, got 0.0"),
-    (lambda: registry.load("sdpo")(clip_mode="row"), "clip_mode must be 'element' or 'token', got 'row'"),
-    (lambda: registry.load("kl")(estimator="k4"), "estimator must be 'k1', 'k2' or 'k3', got 'k4'"),
-    (lambda: registry.load("kl")(estimator="k1", placement="loss"), "'k1' cannot be used in the loss"),
-    (lambda: registry.load("replay_dpo")(beta=0.0), "beta must be > 0, got 0.0"),
-    (lambda: LinearWarmup(-3), "warmup_steps must be an integer >= 0, got -3"),
-    (lambda: LinearRamp(1.0, 0.0, start_step=5, end_step=2), "end_step \\(2\\) must be >= start_step \\(5\\)"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: registry.load("dr_grpo")(weight=-1.0), "weight must be finite and >= 0, got -1.0"),
+        (lambda: registry.load("dr_grpo")(weight=float("nan")), "got nan"),
+        (lambda: registry.load("sdpo")(beta=1.5), "beta must be in \\[0, 1\\], got 1.5"),
+        (lambda: registry.load("sdpo")(temperature=0.0), "temperature must be > 0, got 0.0"),
+        (lambda: registry.load("sdpo")(clip=0.0), "clip must be > 0 or None, got 0.0"),
+        (
+            lambda: registry.load("sdpo")(clip_mode="row"),
+            "clip_mode must be 'element' or 'token', got 'row'",
+        ),
+        (
+            lambda: registry.load("kl")(estimator="k4"),
+            "estimator must be 'k1', 'k2' or 'k3', got 'k4'",
+        ),
+        (
+            lambda: registry.load("kl")(estimator="k1", placement="loss"),
+            "'k1' cannot be used in the loss",
+        ),
+        (lambda: registry.load("replay_dpo")(beta=0.0), "beta must be > 0, got 0.0"),
+        (lambda: LinearWarmup(-3), "warmup_steps must be an integer >= 0, got -3"),
+        (
+            lambda: LinearRamp(1.0, 0.0, start_step=5, end_step=2),
+            "end_step \\(2\\) must be >= start_step \\(5\\)",
+        ),
+    ],
+)
 def test_head_bad_input_names_the_value(make, match):
     with pytest.raises(ValueError, match=match):
         make()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(aggregation="sum"), "sum"),
-    (dict(clip_low=0.0), "clip_low"),
-    (dict(clip_high=-0.1), "clip_high"),
-    (dict(dual_clip=1.0), "dual_clip"),
-    (dict(mixing="both"), "mixing must be one of .* got 'both'"),
-    (dict(temperature=0.0), "temperature must be > 0, got 0.0"),
-    (dict(ppo_epochs=0), "ppo_epochs must be an integer >= 1, got 0"),
-    (dict(variance_matching="nope"), "variance_matching names head 'nope'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(aggregation="sum"), "sum"),
+        (dict(clip_low=0.0), "clip_low"),
+        (dict(clip_high=-0.1), "clip_high"),
+        (dict(dual_clip=1.0), "dual_clip"),
+        (dict(mixing="both"), "mixing must be one of .* got 'both'"),
+        (dict(temperature=0.0), "temperature must be > 0, got 0.0"),
+        (dict(ppo_epochs=0), "ppo_epochs must be an integer >= 1, got 0"),
+        (dict(variance_matching="nope"), "variance_matching names head 'nope'"),
+    ],
+)
 def test_module_bad_settings_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ComposerModule(tiny_model(), [registry.load("dr_grpo")()], **kwargs)

@@ -43,15 +43,34 @@ class Capture(L.Callback):
 
 def run(precision: str, strategy) -> dict:
     policy = TinyLlama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, seed=0)
-    batch = synthetic_batch(torch.Generator().manual_seed(0), prompts=4, group_size=4, vocab_size=64,
-                            reward_prob=1.0, hint_prob=0.5)
-    module = ComposerModule(policy, [DrGRPOHead(), OPDHead()], max_logprob_gap=None,
-                            max_grad_norm=None,
-                            optimizer=lambda p: torch.optim.AdamW(p, lr=LR, eps=EPS, weight_decay=0.0))
+    batch = synthetic_batch(
+        torch.Generator().manual_seed(0),
+        prompts=4,
+        group_size=4,
+        vocab_size=64,
+        reward_prob=1.0,
+        hint_prob=0.5,
+    )
+    module = ComposerModule(
+        policy,
+        [DrGRPOHead(), OPDHead()],
+        max_logprob_gap=None,
+        max_grad_norm=None,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=LR, eps=EPS, weight_decay=0.0),
+    )
     cap = Capture()
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, strategy=strategy,
-                        max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cap])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cap],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
@@ -61,15 +80,22 @@ def run(precision: str, strategy) -> dict:
         expected = -LR * g / (g.abs() + EPS)  # AdamW's bias-corrected first step
         num += float(((after[n] - cap.params[n]) - expected).square().sum())
         den += float(expected.square().sum())
-    return {"update_err": (num / den) ** 0.5, "param_dtype": cap.dtype, "grads": cap.grads,
-            "absorbed": float(trainer.callback_metrics.get("train/absorbed_update_frac", -1.0)),
-            "warned": any("did not change" in str(w.message) for w in caught)}
+    return {
+        "update_err": (num / den) ** 0.5,
+        "param_dtype": cap.dtype,
+        "grads": cap.grads,
+        "absorbed": float(trainer.callback_metrics.get("train/absorbed_update_frac", -1.0)),
+        "warned": any("did not change" in str(w.message) for w in caught),
+    }
 
 
 def main() -> None:
-    results = {"fp32": run("32-true", "auto"), "bf16_mixed": run("bf16-mixed", "auto"),
-               "fsdp2_bf16_mixed": run("bf16-mixed", ModelParallelStrategy(1, 1)),
-               "bf16_true": run("bf16-true", "auto")}
+    results = {
+        "fp32": run("32-true", "auto"),
+        "bf16_mixed": run("bf16-mixed", "auto"),
+        "fsdp2_bf16_mixed": run("bf16-mixed", ModelParallelStrategy(1, 1)),
+        "bf16_true": run("bf16-true", "auto"),
+    }
     ref = results["fp32"]["grads"]
     for r in results.values():
         g = r.pop("grads")

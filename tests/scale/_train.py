@@ -49,37 +49,68 @@ class RankHint(VerifierHint):
     def hints(self, problems, completions):
         return [None] * len(problems) if rank() == 1 else super().hints(problems, completions)
 
-strategy = {"ddp": DDPStrategy(process_group_backend="gloo"),
-            "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)}[kind.split("_")[0]]
-heads = [DrGRPOHead(), OPDHead(weight=0.5), SDPOHead(weight=0.1), KLHead(kl_coef=0.01),
-         ReplayDPOHead(weight=0.1, pairs_per_step=2)]
+
+strategy = {
+    "ddp": DDPStrategy(process_group_backend="gloo"),
+    "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+}[kind.split("_")[0]]
+heads = [
+    DrGRPOHead(),
+    OPDHead(weight=0.5),
+    SDPOHead(weight=0.1),
+    KLHead(kl_coef=0.01),
+    ReplayDPOHead(weight=0.1, pairs_per_step=2),
+]
 callbacks, seen = [], []
 if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, prompts by rank
     policy = tiny_policy_path()
     data = RolloutDataModule(prompts_per_step=2)
     uneven = kind != "fsdp2_rollout" and kind != "ddp_rollout"
-    callbacks = [RolloutCallback(HFEngine(seed=0), group_size=4 if uneven else 2,
-                                 sampling=SamplingConfig(max_tokens=6, seed=0),
-                                 score=FunctionScore(reward) if uneven else None,
-                                 hint=RankHint() if uneven else VerifierHint())]
+    callbacks = [
+        RolloutCallback(
+            HFEngine(seed=0),
+            group_size=4 if uneven else 2,
+            sampling=SamplingConfig(max_tokens=6, seed=0),
+            score=FunctionScore(reward) if uneven else None,
+            hint=RankHint() if uneven else VerifierHint(),
+        )
+    ]
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             rb = batch["rollout"]
-            seen.append({"prompts": [p["messages"][0]["content"] for p in batch["problems"]],
-                         "gap": float(trainer.callback_metrics["rollout/logprob_gap_max"]),
-                         "rewards": rb.rewards[rb.has_reward].tolist(),
-                         "reward_mean": float(trainer.callback_metrics["rollout/reward_mean"]),
-                         "buffer": len(module.heads[4].buffer)})
+            seen.append(
+                {
+                    "prompts": [p["messages"][0]["content"] for p in batch["problems"]],
+                    "gap": float(trainer.callback_metrics["rollout/logprob_gap_max"]),
+                    "rewards": rb.rewards[rb.has_reward].tolist(),
+                    "reward_mean": float(trainer.callback_metrics["rollout/reward_mean"]),
+                    "buffer": len(module.heads[4].buffer),
+                }
+            )
+
     callbacks.append(Record())
 else:
     policy = TinyLlama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, seed=0)
     data = SyntheticRolloutDataModule(vocab_size=64, seed=0)
-module = ComposerModule(policy, heads, optimizer=lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3),
-                        max_grad_norm=None, max_logprob_gap=None)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    callbacks=callbacks)
+module = ComposerModule(
+    policy,
+    heads,
+    optimizer=lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3),
+    max_grad_norm=None,
+    max_logprob_gap=None,
+)
+trainer = L.Trainer(
+    accelerator="cpu",
+    devices=2,
+    strategy=strategy,
+    max_steps=3,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    callbacks=callbacks,
+)
 try:
     trainer.fit(module, data)
 except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zero exit
@@ -90,7 +121,9 @@ except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zer
     os._exit(3)
 weights = {n: t.clone() for n, t in iter_hf_weights(module.policy)}  # a collective: every rank
 sharded = all(hasattr(p, "full_tensor") for p in module.policy.parameters())
-torch.save({"weights": weights, "sharded": sharded, "seen": seen}, f"{out}.rank{trainer.global_rank}")
+torch.save(
+    {"weights": weights, "sharded": sharded, "seen": seen}, f"{out}.rank{trainer.global_rank}"
+)
 trainer.strategy.barrier()
 # Skip interpreter teardown on every rank: gloo's threads can abort it after the work is done.
 sys.stdout.flush()

@@ -16,8 +16,14 @@ from tests.test_cli import ROOT
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("precision") / "results.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scale" / "_precision.py"), str(out)],
-                          cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scale" / "_precision.py"), str(out)],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -16,8 +16,14 @@ from tests.test_cli import ROOT
 def _train(kind: str, tmp_path) -> list[dict]:
     out = tmp_path / f"{kind}.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scale" / "_train.py"), kind, str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scale" / "_train.py"), kind, str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(f"{out}.rank{r}") for r in (0, 1)]
 
@@ -25,7 +31,11 @@ def _train(kind: str, tmp_path) -> list[dict]:
 def test_fsdp2_matches_ddp_on_two_cpu_ranks(tmp_path):
     ddp, fsdp = _train("ddp", tmp_path)[0], _train("fsdp2", tmp_path)[0]
     assert fsdp["sharded"] and not ddp["sharded"]
-    init = dict(TinyLlama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, seed=0).named_parameters())
+    init = dict(
+        TinyLlama(
+            vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, seed=0
+        ).named_parameters()
+    )
     assert ddp["weights"].keys() == fsdp["weights"].keys()
     for name, w in ddp["weights"].items():
         torch.testing.assert_close(fsdp["weights"][name], w, rtol=1e-5, atol=1e-6)
@@ -55,7 +65,9 @@ def test_uneven_ranks_train_on_and_log_metrics_of_both_ranks(tmp_path):
     for a, b in zip(r0, r1, strict=True):
         both = a["rewards"] + b["rewards"]
         assert set(b["rewards"]) == {0.5}
-        assert a["reward_mean"] == b["reward_mean"] == pytest.approx(sum(both) / len(both), abs=1e-6)
+        assert (
+            a["reward_mean"] == b["reward_mean"] == pytest.approx(sum(both) / len(both), abs=1e-6)
+        )
         assert a["gap"] == b["gap"] < 1e-5
 
 
@@ -65,11 +77,20 @@ def test_an_error_on_one_rank_stops_both_in_the_same_step(tmp_path):
     out = tmp_path / "raise.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scale" / "_train.py"), "fsdp2_raise",
-                           str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scale" / "_train.py"), "fsdp2_raise", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode != 0
     deadline = time.monotonic() + 10
-    while not all(os.path.exists(f"{out}.rank{r}.err") for r in (0, 1)) and time.monotonic() < deadline:
+    while (
+        not all(os.path.exists(f"{out}.rank{r}.err") for r in (0, 1))
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     assert time.monotonic() - start < 60
     errors = [open(f"{out}.rank{r}.err").read() for r in (0, 1)]

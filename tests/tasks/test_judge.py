@@ -139,8 +139,10 @@ def test_placeholders_are_substituted_in_one_pass(tokenizer) -> None:
     engine = ScriptedEngine(tokenizer, [["SCORE: +1"]])
     judge = LLMJudgeScore(engine, tokenizer, votes=1, template="P {prompt} R {response} A {answer}")
     judge.score([{"prompt": "echo {response} and {answer}", "answer": "7"}], ["42"])
-    assert judge.prompt_text({"prompt": "echo {response} and {answer}", "answer": "7"}, "42") == \
-        "P user: echo {response} and {answer} R 42 A 7"
+    assert (
+        judge.prompt_text({"prompt": "echo {response} and {answer}", "answer": "7"}, "42")
+        == "P user: echo {response} and {answer} R 42 A 7"
+    )
 
 
 class ChatScript:
@@ -151,16 +153,27 @@ class ChatScript:
 
     def chat(self, conversations, n, sampling):
         self.calls.append((conversations, n, sampling))
-        return [[Completion([], [], reason, text=text) for text, reason in votes] for votes in self.script]
+        return [
+            [Completion([], [], reason, text=text) for text, reason in votes]
+            for votes in self.script
+        ]
 
 
 def test_served_judge_reads_text_and_counts_truncated_votes() -> None:
-    engine = ChatScript([[("SCORE: +1", "stop"), ("SCORE: +1", "stop"), ("SCORE", "length")],
-                         [("SCORE: -1", "length"), ("SCORE: -1", "stop"), ("x", "stop")]])
+    engine = ChatScript(
+        [
+            [("SCORE: +1", "stop"), ("SCORE: +1", "stop"), ("SCORE", "length")],
+            [("SCORE: -1", "length"), ("SCORE: -1", "stop"), ("x", "stop")],
+        ]
+    )
     judge = LLMJudgeScore(engine, votes=3)  # no tokenizer: the server applies its own template
     assert judge.score([{"prompt": "1+1?"}, {"prompt": "2+2?"}], ["2", "5"]) == [1.0, 0.0]
-    (conversations, n, _), = engine.calls
-    assert n == 3 and conversations[0][0]["role"] == "user" and "1+1?" in conversations[0][0]["content"]
+    ((conversations, n, _),) = engine.calls
+    assert (
+        n == 3
+        and conversations[0][0]["role"] == "user"
+        and "1+1?" in conversations[0][0]["content"]
+    )
     assert judge.truncated == 2
     with pytest.raises(ValueError, match="needs the judge model's tokenizer"):
         LLMJudgeScore(BrokenEngine(), votes=3)

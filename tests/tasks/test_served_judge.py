@@ -36,12 +36,32 @@ def _free_port() -> int:
 def server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm_serve") / "server.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1",
+    )
     # the `vllm` console script looks up the distribution "vllm"; vllm-cpu's is "vllm-cpu"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_policy_path(),
-           "--served-model-name", "tiny-judge", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tiny_policy_path(),
+        "--served-model-name",
+        "tiny-judge",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/v1"
@@ -69,11 +89,19 @@ def server(tmp_path_factory):
 
 def test_served_judge_votes_through_a_real_server(server) -> None:
     engine = OpenAIEngine(server)  # the model name is read from the server
-    replies = engine.chat([[{"role": "user", "content": "What is 2 + 3?"}]] * 2, 3,
-                          SamplingConfig(max_tokens=8, seed=0))
+    replies = engine.chat(
+        [[{"role": "user", "content": "What is 2 + 3?"}]] * 2,
+        3,
+        SamplingConfig(max_tokens=8, seed=0),
+    )
     assert engine.model == "tiny-judge"
     assert [len(r) for r in replies] == [3, 3]
-    assert all(isinstance(c.text, str) and c.finish_reason in ("stop", "length") for r in replies for c in r)
+    assert all(
+        isinstance(c.text, str) and c.finish_reason in ("stop", "length")
+        for r in replies
+        for c in r
+    )
+
     class Recording(OpenAIEngine):
         def chat(self, conversations, n, sampling):
             self.replies = super().chat(conversations, n, sampling)
@@ -92,12 +120,26 @@ def test_served_judge_votes_through_a_real_server(server) -> None:
 def test_a_rollout_step_with_a_served_judge_logs_truncated_votes(server) -> None:
     policy = tiny_policy_path()
     judge = LLMJudgeScore(OpenAIEngine(server), votes=3, sampling=SamplingConfig(max_tokens=4))
-    callback = RolloutCallback(HFEngine(seed=0), group_size=2, score=judge, hint=VerifierHint(),
-                               sampling=SamplingConfig(max_tokens=6, seed=0), samples_every_n_steps=0)
-    module = ComposerModule(policy, [DrGRPOHead(), OPDHead()],
-                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    callback = RolloutCallback(
+        HFEngine(seed=0),
+        group_size=2,
+        score=judge,
+        hint=VerifierHint(),
+        sampling=SamplingConfig(max_tokens=6, seed=0),
+        samples_every_n_steps=0,
+    )
+    module = ComposerModule(
+        policy, [DrGRPOHead(), OPDHead()], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4)
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     trainer.fit(module, RolloutDataModule(prompts_per_step=2))
     metrics = trainer.callback_metrics
     assert 0 <= float(metrics["rollout/judge_truncated"]) <= 2 * 2 * 3

@@ -151,6 +151,7 @@ def test_raising_reward_function_gives_none_and_is_counted() -> None:
 def test_function_score_keeps_any_finite_reward_and_clips_only_when_asked(caplog) -> None:
     """±1 rewards are not [0, 1] rewards: they pass as they are (GRPO needs no range); a failure
     is one warning line (no traceback) and a count."""
+
     def fn(problem: dict, completion: str) -> float:
         if completion == "raise":
             raise KeyError("x")
@@ -158,7 +159,13 @@ def test_function_score_keeps_any_finite_reward_and_clips_only_when_asked(caplog
 
     scorer = FunctionScore(fn)
     with caplog.at_level("WARNING"):
-        assert scorer.score([{}] * 5, ["0.5", "2", "-1", "raise", "nan"]) == [0.5, 2.0, -1.0, None, None]
+        assert scorer.score([{}] * 5, ["0.5", "2", "-1", "raise", "nan"]) == [
+            0.5,
+            2.0,
+            -1.0,
+            None,
+            None,
+        ]
     assert scorer.failures == 2
     failures = [r for r in caplog.records if "reward function raised" in r.getMessage()]
     assert len(failures) == 2 and all(r.exc_info is None for r in failures)
@@ -174,9 +181,14 @@ def test_prompt_file_missing_a_verifier_field_is_one_error_naming_file_and_line(
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "What is 2 + 3?", "answer": 5}\n{"prompt": "What is 4 + 4?"}\n')
-    with pytest.raises(ValueError, match=r"prompts.jsonl:2: the 'arithmetic' verifier needs field\(s\) \['answer'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompts.jsonl:2: the 'arithmetic' verifier needs field\(s\) \['answer'\]",
+    ):
         RolloutDataModule(tokenizer=None, task="arithmetic", prompt_file=str(path))
-    path.write_text('{"prompt": "x", "answer": 5, "task": "reverse"}\n{"prompt": "y", "task": "nope"}\n')
+    path.write_text(
+        '{"prompt": "x", "answer": 5, "task": "reverse"}\n{"prompt": "y", "task": "nope"}\n'
+    )
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: unknown task 'nope'"):
         RolloutDataModule(tokenizer=None, task="arithmetic", prompt_file=str(path))
 

@@ -16,8 +16,13 @@ class LengthPenaltyHead(Head):
 
     default_name = "length_penalty"
 
-    def __init__(self, coef: float = 0.1, weight: float = 1.0, name: str | None = None,
-                 schedule: Schedule | None = None):
+    def __init__(
+        self,
+        coef: float = 0.1,
+        weight: float = 1.0,
+        name: str | None = None,
+        schedule: Schedule | None = None,
+    ):
         super().__init__(name=name, weight=weight, schedule=schedule)
         self.coef = coef
 
