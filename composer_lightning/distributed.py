@@ -35,6 +35,11 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def full(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (a collective), the tensor itself otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def data_parallel(trainer: object) -> tuple[int, int]:
     """`(rank, size)` along the trainer's data-parallel dimension: the ranks that see different
     data. The `data_parallel` dimension of a `ModelParallelStrategy` mesh (ranks that shard one

@@ -149,7 +149,7 @@ _TEACHER_HIDDEN = frozenset({"teacher_hidden", "teacher_logits"})
 @torch.no_grad()
 def rollout_targets(
     rb: RolloutBatch,
-    splits: list[Tensor],
+    splits: list[Tensor] | None,
     needs: set[str],
     *,
     policy: nn.Module,
@@ -167,7 +167,7 @@ def rollout_targets(
     batch has no hinted context), so FSDP2's collectives always match.
 
     Args:
-        rb: the rollout batch. splits: the row indices of its minibatches.
+        rb: the rollout batch. splits: the row indices of its minibatches (None: one).
         needs: the union of the active heads' `requires` over this batch's updates.
         policy, teacher, reference: the models; teacher None = the live policy.
         temperature: the sampling temperature.
@@ -177,6 +177,8 @@ def rollout_targets(
         chunk_size: tokens per LM-head chunk.
     """
     B, T = rb.input_ids.shape
+    if splits is None:
+        splits = [torch.arange(B, device=rb.input_ids.device)]
     parts: dict[str, list[tuple[Tensor, Tensor]]] = {}
     head_weight = None
     want_teacher, want_hidden = bool(needs & _TEACHER), bool(needs & _TEACHER_HIDDEN)
@@ -290,7 +292,10 @@ def step_context(
     norm_length: int | None,
     chunk_size: int | None = None,
 ) -> StepContext:
-    """One policy forward (grad) on a minibatch plus its rows of the rollout targets."""
+    """One policy forward (grad) on a minibatch plus its rows of the rollout targets
+    (`norm_length` None: the batch's `max_response_length`)."""
+    if norm_length is None:
+        norm_length = mb.max_response_length
     want_hidden = bool(needs & {"hidden", "logits"})
     scores = score_tokens(
         policy,

@@ -1,17 +1,13 @@
 """`ComposerModule`: a LightningModule whose RL objective is a composition of loss heads.
 
-Per rollout batch: the no-grad targets once (old log-probs when there are several updates,
-reference log-probs, ONE teacher forward on the hinted contexts), then `ppo_epochs ×
-minibatches` optimizer steps, each with one policy forward (grad) and the public `Objective`
-(`objective.py`). The module never branches on head type: heads declare what they read in
-`requires`. No step holds `[B, T, V]` logits (`forward.py`).
+Per rollout batch: the no-grad targets once (old and reference log-probs, ONE teacher forward
+on the hinted contexts), then `ppo_epochs × minibatches` optimizer steps, each with one policy
+forward (grad) and the public `Objective` (`objective.py`). The module never branches on head
+type: heads declare what they read in `requires`. No step holds `[B, T, V]` logits.
 """
 
 from __future__ import annotations
 
-import copy
-import random
-import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -24,10 +20,21 @@ from composer_lightning.batch import RolloutBatch
 from composer_lightning.callbacks.precision import AbsorbedUpdates
 from composer_lightning.callbacks.stop import CheckpointOnStop
 from composer_lightning.canary import OutOfSyncError, check_canary
-from composer_lightning.distributed import StepMetrics, agree
+from composer_lightning.checkpoint import (
+    LOOP_SETTINGS,
+    check_loop_settings,
+    load_state,
+    save_state,
+)
+from composer_lightning.distributed import StepMetrics, agree, full
 from composer_lightning.forward import rollout_targets, step_context
 from composer_lightning.heads.base import Head
-from composer_lightning.models.loading import frozen_model, hparams_to_ignore, load_causal_lm
+from composer_lightning.models.loading import (
+    frozen_model,
+    hparams_to_ignore,
+    load_causal_lm,
+    reference_model,
+)
 from composer_lightning.models.sharding import shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.step import RolloutTargets, StepContext
@@ -94,16 +101,9 @@ class ComposerModule(L.LightningModule):
         activation_checkpointing: bool = False,
     ):
         super().__init__()
-        self.save_hyperparameters(
-            ignore=hparams_to_ignore(
-                policy=policy,
-                heads=heads,
-                reference=reference,
-                teacher=teacher,
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-            )
-        )
+        live = dict(policy=policy, heads=heads, reference=reference, teacher=teacher)
+        live.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
+        self.save_hyperparameters(ignore=hparams_to_ignore(**live))
         self.automatic_optimization = False
         self.objective = Objective(
             heads,
@@ -115,27 +115,12 @@ class ComposerModule(L.LightningModule):
             mixing=mixing,
             variance_matching=variance_matching,
         )
-        _check_settings(
-            norm_length=norm_length,
-            temperature=temperature,
-            ppo_epochs=ppo_epochs,
-            minibatches=minibatches,
-            max_grad_norm=max_grad_norm,
-            max_logprob_gap=max_logprob_gap,
-            chunk_size=chunk_size,
-        )
+        check_loop_settings(**{k: v for k, v in locals().items() if k in LOOP_SETTINGS})
         self.policy_path = policy if isinstance(policy, str) else None  # engines may follow it
         self.policy = load_causal_lm(policy)
         if activation_checkpointing:
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
-        needs_ref = any("ref_logprobs" in h.requires and h.weight > 0 for h in self.heads)
-        self.reference = frozen_model(
-            reference
-            if reference is not None
-            else copy.deepcopy(self.policy)
-            if needs_ref
-            else None
-        )
+        self.reference = reference_model(reference, self.policy, self.heads)
         self.teacher = frozen_model(teacher)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.temperature, self.chunk_size = norm_length, temperature, chunk_size
@@ -176,9 +161,7 @@ class ComposerModule(L.LightningModule):
         """The no-grad values of a rollout batch, once, before its first of `updates` updates."""
         return rollout_targets(
             rb,
-            splits
-            if splits is not None
-            else [torch.arange(rb.batch_size, device=rb.input_ids.device)],
+            splits,
             needs,
             policy=self.policy,
             teacher=self.teacher,
@@ -205,9 +188,7 @@ class ComposerModule(L.LightningModule):
             entropy=self.objective.entropy_coef > 0,
             global_step=self.global_step,
             aggregation=self.objective.aggregation,
-            norm_length=self.norm_length
-            if self.norm_length is not None
-            else mb.max_response_length,
+            norm_length=self.norm_length,
             chunk_size=self.chunk_size,
         )
 
@@ -227,12 +208,7 @@ class ComposerModule(L.LightningModule):
             error = exc
         agree(error=error)  # a rank that cannot split its batch stops every rank, here
         updates = self.ppo_epochs * len(splits)
-        needs = set().union(
-            *(
-                self.objective.requirements(self.objective.weights(self.global_step + k))
-                for k in range(updates)
-            )
-        )
+        needs = self.objective.requirements_over(self.global_step, updates)
         targets = self.rollout_targets(rb, needs, splits, updates)
         history: dict[str, list[float]] = defaultdict(list)
         canary = StepMetrics()
@@ -252,9 +228,7 @@ class ComposerModule(L.LightningModule):
             self.manual_backward(loss)
             if self.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-                metrics["train/grad_norm"] = (
-                    norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-                )
+                metrics["train/grad_norm"] = full(norm)
             opt.step()
             for k, v in metrics.items():
                 history[k].append(float(v))
@@ -264,56 +238,13 @@ class ComposerModule(L.LightningModule):
         self.policy_version += 1
         canary.update({k: sum(v) / len(v) for k, v in history.items()})
         self.log_dict(agree(canary), on_step=True, batch_size=rb.batch_size)
-        self.log(
-            "loss",
-            history["train/loss"][-1],
-            prog_bar=True,
-            on_step=True,
-            logger=False,
-            batch_size=rb.batch_size,
-        )
+        last = history["train/loss"][-1]
+        self.log("loss", last, prog_bar=True, logger=False, batch_size=rb.batch_size)
         return loss.detach()
 
     # ----------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["composer"] = {
-            "policy_version": self.policy_version,
-            "heads": {h.name: h.state_dict() for h in self.heads},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
+        checkpoint["composer"] = save_state(self.policy_version, self.heads)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("composer", {})
-        self.policy_version = state.get("policy_version", 0)
-        saved, names = state.get("heads", {}), {h.name for h in self.heads}
-        dropped, fresh = sorted(set(saved) - names), sorted(names - set(saved))
-        if dropped or fresh:
-            warnings.warn(
-                f"resuming with other heads than the checkpoint's: the saved state of "
-                f"{dropped} is dropped, {fresh} start fresh",
-                stacklevel=2,
-            )
-        for head in self.heads:
-            if head.name in saved:
-                head.load_state_dict(saved[head.name])
-        if "rng" in state:
-            torch.set_rng_state(state["rng"]["torch"])
-            random.setstate(state["rng"]["python"])
-
-
-def _check_settings(**settings: Any) -> None:
-    t = settings["temperature"]
-    if not (t > 0 and t != float("inf")):
-        raise ValueError(f"temperature must be > 0, got {t}")
-    for name in ("ppo_epochs", "minibatches"):
-        v = settings[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    for name in ("norm_length", "chunk_size"):
-        v = settings[name]
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
-    for name in ("max_grad_norm", "max_logprob_gap"):
-        v = settings[name]
-        if v is not None and not v > 0:
-            raise ValueError(f"{name} must be > 0 or None, got {v}")
+        self.policy_version = load_state(checkpoint.get("composer", {}), self.heads)

@@ -83,6 +83,10 @@ class Objective:
         needs = set().union(*(h.requires for h in self.heads if weights[h.name] > 0))
         return needs | ({"entropy"} if self.entropy_coef > 0 else set())
 
+    def requirements_over(self, step: int, updates: int) -> set[str]:
+        """What the heads read over the `updates` optimizer steps starting at `step`."""
+        return set().union(*(self.requirements(self.weights(step + k)) for k in range(updates)))
+
     def head_outputs(
         self, batch: RolloutBatch, ctx: StepContext, weights: dict[str, float]
     ) -> dict[str, HeadOutput]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -54,3 +55,13 @@ def frozen_model(model: str | nn.Module | None) -> nn.Module | None:
     m = load_causal_lm(model)
     m.requires_grad_(False)
     return m.eval()
+
+
+def reference_model(
+    reference: str | nn.Module | None, policy: nn.Module, heads: list
+) -> nn.Module | None:
+    """The frozen reference: the given one, else a frozen copy of the policy when a head with a
+    non-zero weight reads reference log-probs, else None (no copy is made)."""
+    if reference is None and any("ref_logprobs" in h.requires and h.weight > 0 for h in heads):
+        reference = copy.deepcopy(policy)
+    return frozen_model(reference)
