@@ -31,6 +31,8 @@ def _quiet() -> None:
     )  # Lightning/torch
     # the frozen reference and teacher are in eval mode on purpose
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    # checkpoints are taken after the step's updates and push, which is what a resume needs
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars of from_pretrained
