@@ -17,6 +17,7 @@ The models are HF-style causal LMs: `get_output_embeddings()` (an LM head withou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -142,23 +143,30 @@ def teacher_view(
 
 
 # ---------------------------------------------------------------------------- step inputs
+class ForwardOwner(Protocol):
+    """What the forwards read from their owner, a `ComposerModule`."""
+
+    policy: nn.Module
+    reference: nn.Module | None
+    teacher: nn.Module | None  # None: the live policy
+    temperature: float
+    chunk_size: int | None
+    norm_length: int | None  # None: each batch's max_response_length
+    objective: Any  # its `entropy_coef` and `aggregation`
+    global_step: int
+
+
 _TEACHER = frozenset({"teacher_logprobs", "teacher_hidden", "teacher_logits"})
 _TEACHER_HIDDEN = frozenset({"teacher_hidden", "teacher_logits"})
 
 
 @torch.no_grad()
 def rollout_targets(
+    owner: ForwardOwner,
     rb: RolloutBatch,
-    splits: list[Tensor] | None,
     needs: set[str],
-    *,
-    policy: nn.Module,
-    teacher: nn.Module | None,
-    reference: nn.Module | None,
-    temperature: float,
-    old: bool,
-    snapshot_teacher_head: bool,
-    chunk_size: int | None = None,
+    splits: list[Tensor] | None = None,
+    updates: int = 1,
 ) -> RolloutTargets:
     """The no-grad values of a rollout batch, computed once before its first update.
 
@@ -167,15 +175,17 @@ def rollout_targets(
     batch has no hinted context), so FSDP2's collectives always match.
 
     Args:
-        rb: the rollout batch. splits: the row indices of its minibatches (None: one).
+        owner: the models and settings (a `ComposerModule`); its teacher None = the live policy.
+        rb: the rollout batch.
         needs: the union of the active heads' `requires` over this batch's updates.
-        policy, teacher, reference: the models; teacher None = the live policy.
-        temperature: the sampling temperature.
-        old: recompute the old log-probs (more than one update per rollout batch).
-        snapshot_teacher_head: copy the live policy's LM head for the teacher (it changes
+        splits: the row indices of its minibatches (None: one).
+        updates: the optimizer steps this batch makes; with more than one the old log-probs
+            are recomputed and the live policy's LM head is copied for the teacher (it changes
             before the last update reads the teacher hidden states).
-        chunk_size: tokens per LM-head chunk.
     """
+    policy, teacher, reference = owner.policy, owner.teacher, owner.reference
+    temperature, chunk_size = owner.temperature, owner.chunk_size
+    old = snapshot_teacher_head = updates > 1
     B, T = rb.input_ids.shape
     if splits is None:
         splits = [torch.arange(B, device=rb.input_ids.device)]
@@ -279,21 +289,12 @@ def _assemble(parts: list[tuple[Tensor, Tensor]], B: int) -> Tensor:
 
 
 def step_context(
-    mb: RolloutBatch,
-    targets: RolloutTargets,
-    needs: set[str],
-    *,
-    policy: nn.Module,
-    reference: nn.Module | None,
-    temperature: float,
-    entropy: bool,
-    global_step: int,
-    aggregation: str,
-    norm_length: int | None,
-    chunk_size: int | None = None,
+    owner: ForwardOwner, mb: RolloutBatch, targets: RolloutTargets, needs: set[str]
 ) -> StepContext:
-    """One policy forward (grad) on a minibatch plus its rows of the rollout targets
-    (`norm_length` None: the batch's `max_response_length`)."""
+    """One policy forward (grad) on a minibatch plus its rows of the rollout targets."""
+    policy, reference = owner.policy, owner.reference
+    temperature, chunk_size, norm_length = owner.temperature, owner.chunk_size, owner.norm_length
+    entropy = owner.objective.entropy_coef > 0
     if norm_length is None:
         norm_length = mb.max_response_length
     want_hidden = bool(needs & {"hidden", "logits"})
@@ -333,10 +334,10 @@ def step_context(
         ).logprobs
 
     return StepContext(
-        global_step=global_step,
+        global_step=owner.global_step,
         logprobs=scores.logprobs,
         old_logprobs=old,
-        aggregation=aggregation,
+        aggregation=owner.objective.aggregation,
         norm_length=norm_length,
         temperature=temperature,
         chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),

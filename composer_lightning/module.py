@@ -38,6 +38,7 @@ from composer_lightning.models.loading import (
 from composer_lightning.models.sharding import shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.step import RolloutTargets, StepContext
+from composer_lightning.validation import log_validation
 
 __all__ = ["ComposerModule", "OutOfSyncError"]
 
@@ -127,6 +128,7 @@ class ComposerModule(L.LightningModule):
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
         self.max_grad_norm, self.max_logprob_gap = max_grad_norm, max_logprob_gap
         self.policy_version = 0
+        self.val_metrics = nn.ModuleDict()  # `val/...` means, filled by validation_step
 
     @property
     def heads(self) -> list[Head]:
@@ -159,18 +161,7 @@ class ComposerModule(L.LightningModule):
         updates: int = 1,
     ) -> RolloutTargets:
         """The no-grad values of a rollout batch, once, before its first of `updates` updates."""
-        return rollout_targets(
-            rb,
-            splits,
-            needs,
-            policy=self.policy,
-            teacher=self.teacher,
-            reference=self.reference,
-            temperature=self.temperature,
-            old=updates > 1,
-            snapshot_teacher_head=updates > 1,
-            chunk_size=self.chunk_size,
-        )
+        return rollout_targets(self, rb, needs, splits, updates)
 
     def step_context(
         self, mb: RolloutBatch, needs: set[str], targets: RolloutTargets | None = None
@@ -178,19 +169,7 @@ class ComposerModule(L.LightningModule):
         """One policy forward (grad) on a minibatch, with its rows of the rollout targets
         (computed here, for this minibatch alone, when not given)."""
         targets = targets if targets is not None else self.rollout_targets(mb, needs)
-        return step_context(
-            mb,
-            targets,
-            needs,
-            policy=self.policy,
-            reference=self.reference,
-            temperature=self.temperature,
-            entropy=self.objective.entropy_coef > 0,
-            global_step=self.global_step,
-            aggregation=self.objective.aggregation,
-            norm_length=self.norm_length,
-            chunk_size=self.chunk_size,
-        )
+        return step_context(self, mb, targets, needs)
 
     # ----------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -241,6 +220,10 @@ class ComposerModule(L.LightningModule):
         last = history["train/loss"][-1]
         self.log("loss", last, prog_bar=True, logger=False, batch_size=rb.batch_size)
         return loss.detach()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Held-out figures the rollout callback computed for this batch (`validation.py`)."""
+        log_validation(self, batch["val"])
 
     # ----------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -9,24 +9,22 @@ generates.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
-import torch
 
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.callbacks.samples import write_samples
-from composer_lightning.chat import TraceSample, problem_messages, single_turn_teacher
-from composer_lightning.datamodules.packing import pack_samples
+from composer_lightning.dispatch import build_rollout
 from composer_lightning.distributed import StepMetrics, agree, world
 from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.errors import ConfigError
-from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError, VerifierScore
+from composer_lightning.tasks.base import HintProvider, ScoreProvider, VerifierScore
+from composer_lightning.validation import evaluate
 
 
 def sampling_seed(
@@ -49,9 +47,6 @@ def sampling_seed(
     return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
 
 
-log = logging.getLogger(__name__)
-
-
 class RolloutCallback(L.Callback):
     """Fresh rollouts from an inference engine every step, and the weight push after it.
 
@@ -70,6 +65,9 @@ class RolloutCallback(L.Callback):
             (prompt, completion, reward, hint) go to `rollouts.jsonl` in the run directory and
             to TensorBoard's TEXT tab; 0 turns this off.
         samples_per_step: samples written each time.
+        val_samples: k, the sampled completions per held-out prompt for `val/pass@k`
+            (validation also decodes greedily: `val/greedy_accuracy`).
+        val_score: how validation scores completions; default the task verifier.
     """
 
     def __init__(
@@ -82,6 +80,8 @@ class RolloutCallback(L.Callback):
         hint_role: Literal["user", "system"] = "user",
         samples_every_n_steps: int = 10,
         samples_per_step: int = 4,
+        val_samples: int = 4,
+        val_score: ScoreProvider | None = None,
     ):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -89,6 +89,12 @@ class RolloutCallback(L.Callback):
             raise ValueError(f"hint_role must be 'user' or 'system', got {hint_role!r}")
         self.engine, self.group_size = engine, group_size
         self.sampling = sampling or SamplingConfig()
+        if self.sampling.temperature == 0:
+            raise ValueError("training rollouts must sample: sampling.temperature must be > 0")
+        if val_samples < 1:
+            raise ValueError(f"val_samples must be >= 1, got {val_samples}")
+        self.val_samples = val_samples
+        self.val_score = val_score if val_score is not None else VerifierScore()
         self.score = score if score is not None else VerifierScore()
         self.hint, self.hint_role = hint, hint_role
         if samples_every_n_steps < 0 or samples_per_step < 0:
@@ -150,6 +156,37 @@ class RolloutCallback(L.Callback):
     ) -> None:
         self._push_time = self._push(pl_module)  # logged with the next step's metrics
 
+    # ------------------------------------------------------------------ held-out evaluation
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.engine.weight_version != pl_module.policy_version:  # `validate` on a checkpoint
+            self._push(pl_module)
+
+    def on_validation_batch_start(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Greedy and sampled completions of the held-out prompts: the batch's figures."""
+        tokenizer = trainer.datamodule.tokenizer
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        sampling = replace(
+            self.sampling, stop_token_ids=sorted(set(self.sampling.stop_token_ids) | set(eos))
+        )
+        seed = self._base_seed + 10**9 + batch_idx * len(batch["prompt_ids"]) * self.val_samples
+        batch["val"] = evaluate(
+            self.engine,
+            self.val_score,
+            tokenizer,
+            batch["prompt_ids"],
+            batch["problems"],
+            sampling,
+            self.val_samples,
+            seed,
+        )
+
     # ------------------------------------------------------------------ generate
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -210,7 +247,17 @@ class RolloutCallback(L.Callback):
                 f"engine weight version {self.engine.weight_version} != policy version "
                 f"{pl_module.policy_version}: the push did not happen"
             )
-        rollout, local = self.build(batch, outs, tokenizer, sampling.max_tokens)
+        rollout, local, self._samples = build_rollout(
+            batch,
+            outs,
+            tokenizer,
+            sampling.max_tokens,
+            self.score,
+            self.hint,
+            self.hint_role,
+            self.group_size,
+            self.samples_per_step,
+        )
         rollout.policy_version = self.engine.weight_version
         tokens = local.pop("_tokens")
         n_rewarded = local.pop("_rewarded")
@@ -247,114 +294,3 @@ class RolloutCallback(L.Callback):
             prompts, n=self.group_size, sampling=replace(sampling, seed=seed)
         )
         return outs if tp == 1 else outs[offset : offset + len(mine)]
-
-    def _sample(
-        self,
-        tokenizer: Any,
-        problem: dict[str, Any],
-        prompt: list[int],
-        c: Completion,
-        hint: str | None,
-    ) -> TraceSample:
-        """One single-turn rollout as a tokenised sample, hinted teacher context included."""
-        ids = list(prompt) + list(c.token_ids)
-        response = [False] * len(prompt) + [True] * len(c.token_ids)
-        if hint is None:
-            return TraceSample(ids, response, None, [-1] * len(ids), [False] * len(ids), None)
-        teacher = single_turn_teacher(
-            tokenizer, problem_messages(problem), c.token_ids, hint, self.hint_role
-        )
-        return TraceSample(
-            ids,
-            response,
-            teacher.teacher_ids,
-            teacher.positions(len(prompt), len(ids)),
-            response,
-            None,
-        )
-
-    def build(
-        self, batch: dict[str, Any], outs: list[list[Completion]], tokenizer: Any, max_tokens: int
-    ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Score, hint, dispatch, and pack the surviving samples."""
-        problems, prompts = batch["problems"], batch["prompt_ids"]
-        flat = [(i, c) for i, group in enumerate(outs) for c in group]
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
-        flat_problems = [problems[i] for i, _ in flat]
-        scores = self.score.score(flat_problems, texts)
-        hints = (
-            self.hint.hints(flat_problems, texts) if self.hint is not None else [None] * len(flat)
-        )
-        failures = getattr(self.score, "failures", 0)
-        ScoringError.raise_if_all_failed(scores, min(failures, len(scores)))
-        has_reward = [s is not None for s in scores]
-        has_teacher = [h is not None for h in hints]
-        keep = [k for k in range(len(flat)) if has_reward[k] or has_teacher[k]]
-        counts = {
-            "dispatch/opd_rl": sum(has_reward[k] and has_teacher[k] for k in range(len(flat))),
-            "dispatch/opd_only": sum(
-                has_teacher[k] and not has_reward[k] for k in range(len(flat))
-            ),
-            "dispatch/rl_only": sum(has_reward[k] and not has_teacher[k] for k in range(len(flat))),
-            "dispatch/dropped": len(flat) - len(keep),
-        }
-        if not keep:
-            raise ScoringError(
-                f"no sample of rollout batch {batch['index']} has a usable score or "
-                "an accepted hint: every sample was dropped"
-            )
-        samples = [
-            self._sample(tokenizer, problems[flat[k][0]], prompts[flat[k][0]], flat[k][1], hints[k])
-            for k in keep
-        ]
-        rollout = pack_samples(
-            samples,
-            rewards=[scores[k] for k in keep],
-            group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
-            pad_id=tokenizer.pad_token_id or 0,
-            max_response_length=max_tokens,
-            engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs for k in keep],
-        )
-        lengths = [len(flat[k][1].token_ids) for k in range(len(flat))]
-        # the first sample of each of the first prompts: one row per prompt
-        self._samples = [
-            {
-                "prompt": problem_messages(flat_problems[k])[-1]["content"],
-                "completion": texts[k],
-                "reward": scores[k],
-                "hint": hints[k],
-            }
-            for k in range(0, len(flat), self.group_size)
-        ][: self.samples_per_step]
-        if failures:
-            log.warning(
-                "rollout batch %s: %d of %d score calls failed (one line each above); "
-                "those samples get no reward",
-                batch["index"],
-                failures,
-                len(flat),
-            )
-        rewarded = torch.tensor(
-            [scores[k] for k in range(len(flat)) if has_reward[k]], dtype=torch.float
-        )
-        metrics = {
-            **{k: float(v) for k, v in counts.items()},
-            "rollout/reward_mean": float(rewarded.mean()) if len(rewarded) else 0.0,
-            "rollout/reward_std": float(rewarded.std(unbiased=False)) if len(rewarded) else 0.0,
-            "rollout/response_length_mean": sum(lengths) / len(lengths),
-            "rollout/response_length_max": float(max(lengths)),
-            "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat)
-            / len(flat),
-            "rollout/score_failures": float(failures),
-            "rollout/hint_failures": float(getattr(self.hint, "failures", 0)),
-            "rollout/judge_truncated": float(
-                getattr(self.score, "truncated", 0) + getattr(self.hint, "truncated", 0)
-            ),
-            "_tokens": float(sum(lengths)),
-            "_rewarded": float(len(rewarded)),
-        }
-        for provider in (self.score, self.hint):  # counts are per step
-            for count in ("failures", "truncated"):
-                if getattr(provider, count, 0):
-                    setattr(provider, count, 0)
-        return rollout, metrics

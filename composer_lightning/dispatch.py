@@ -1,0 +1,146 @@
+"""From sampled completions to a `RolloutBatch`: score, hint, the four-way dispatch, packing.
+
+The dispatch is a pure decision per sample (DESIGN.md): a usable score gives `has_reward`, an
+accepted hint `has_teacher`; a sample with neither is dropped. Counts of each path are logged
+as `dispatch/...`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.chat import TraceSample, problem_messages, single_turn_teacher
+from composer_lightning.datamodules.packing import pack_samples
+from composer_lightning.engines.base import Completion
+from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
+
+log = logging.getLogger(__name__)
+
+
+def dispatch(has_reward: list[bool], has_teacher: list[bool]) -> tuple[list[int], dict[str, float]]:
+    """The samples kept (a score or a hint) and the count of each path: OPD+RL, OPD-only,
+    RL-only, dropped."""
+    both = list(zip(has_reward, has_teacher, strict=True))
+    keep = [k for k, (r, t) in enumerate(both) if r or t]
+    counts = {
+        "dispatch/opd_rl": float(sum(r and t for r, t in both)),
+        "dispatch/opd_only": float(sum(t and not r for r, t in both)),
+        "dispatch/rl_only": float(sum(r and not t for r, t in both)),
+        "dispatch/dropped": float(len(both) - len(keep)),
+    }
+    return keep, counts
+
+
+def rollout_sample(
+    tokenizer: Any,
+    problem: dict[str, Any],
+    prompt: list[int],
+    c: Completion,
+    hint: str | None,
+    hint_role: str,
+) -> TraceSample:
+    """One single-turn rollout as a tokenised sample, hinted teacher context included."""
+    ids = list(prompt) + list(c.token_ids)
+    response = [False] * len(prompt) + [True] * len(c.token_ids)
+    if hint is None:
+        return TraceSample(ids, response, None, [-1] * len(ids), [False] * len(ids), None)
+    teacher = single_turn_teacher(
+        tokenizer, problem_messages(problem), c.token_ids, hint, hint_role
+    )
+    return TraceSample(
+        ids, response, teacher.teacher_ids, teacher.positions(len(prompt), len(ids)), response, None
+    )
+
+
+def build_rollout(
+    batch: dict[str, Any],
+    outs: list[list[Completion]],
+    tokenizer: Any,
+    max_tokens: int,
+    score: ScoreProvider,
+    hint: HintProvider | None,
+    hint_role: str,
+    group_size: int,
+    samples_per_step: int,
+) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]]]:
+    """Score, hint, dispatch and pack the surviving samples of one prompt batch.
+
+    Returns:
+        The rollout batch; the step's metrics (plus `_tokens` and `_rewarded`, the generated
+        tokens and rewarded samples, for weighting); and one sample row (prompt, completion,
+        reward, hint) for each of the first `samples_per_step` prompts.
+
+    Raises:
+        ScoringError: every score call failed, or every sample was dropped.
+    """
+    problems, prompts = batch["problems"], batch["prompt_ids"]
+    flat = [(i, c) for i, group in enumerate(outs) for c in group]
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
+    flat_problems = [problems[i] for i, _ in flat]
+    scores = score.score(flat_problems, texts)
+    hints = hint.hints(flat_problems, texts) if hint is not None else [None] * len(flat)
+    failures = getattr(score, "failures", 0)
+    ScoringError.raise_if_all_failed(scores, min(failures, len(scores)))
+    keep, counts = dispatch([s is not None for s in scores], [h is not None for h in hints])
+    if not keep:
+        raise ScoringError(
+            f"no sample of rollout batch {batch['index']} has a usable score or an accepted "
+            "hint: every sample was dropped"
+        )
+    samples = [
+        rollout_sample(
+            tokenizer, problems[flat[k][0]], prompts[flat[k][0]], flat[k][1], hints[k], hint_role
+        )
+        for k in keep
+    ]
+    rollout = pack_samples(
+        samples,
+        rewards=[scores[k] for k in keep],
+        group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
+        pad_id=tokenizer.pad_token_id or 0,
+        max_response_length=max_tokens,
+        engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs for k in keep],
+    )
+    rows = [  # the first sample of each of the first prompts: one row per prompt
+        {
+            "prompt": problem_messages(flat_problems[k])[-1]["content"],
+            "completion": texts[k],
+            "reward": scores[k],
+            "hint": hints[k],
+        }
+        for k in range(0, len(flat), group_size)
+    ][:samples_per_step]
+    if failures:
+        log.warning(
+            "rollout batch %s: %d of %d score calls failed (one line each above); those samples "
+            "get no reward",
+            batch["index"],
+            failures,
+            len(flat),
+        )
+    lengths = [len(c.token_ids) for _, c in flat]
+    rewarded = torch.tensor([s for s in scores if s is not None], dtype=torch.float)
+    metrics = {
+        **counts,
+        "rollout/reward_mean": float(rewarded.mean()) if len(rewarded) else 0.0,
+        "rollout/reward_std": float(rewarded.std(unbiased=False)) if len(rewarded) else 0.0,
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+        "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
+        "rollout/score_failures": float(failures),
+        "rollout/hint_failures": float(getattr(hint, "failures", 0)),
+        "rollout/judge_truncated": float(
+            getattr(score, "truncated", 0) + getattr(hint, "truncated", 0)
+        ),
+        "_tokens": float(sum(lengths)),
+        "_rewarded": float(len(rewarded)),
+    }
+    for provider in (score, hint):  # counts are per step
+        for count in ("failures", "truncated"):
+            if getattr(provider, count, 0):
+                setattr(provider, count, 0)
+    return rollout, metrics, rows
