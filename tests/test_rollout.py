@@ -253,3 +253,17 @@ def test_trace_batches_are_sharded_by_data_parallel_rank():
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, strategy=None)
         seen.append([tuple(row.tolist()) for row in dm.batch(0).input_ids])
     assert not set(seen[0]) & set(seen[1])
+
+
+def test_the_held_out_split_is_disjoint_from_the_training_stream():
+    """By construction: the training stream never draws a held-out problem, the validation set
+    only held-out ones; the split depends on the problem alone (any seed, any rank)."""
+    from composer_lightning.validation import is_heldout
+
+    dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=8, val_fraction=0.2, val_prompts=64)
+    val = {str(p["messages"]) for p in dm.validation_problems()}
+    train = {str(p["messages"]) for i in range(200) for p in dm.problems(i)}
+    assert len(val) >= 40 and len(train) > 200 and not val & train
+    assert all(is_heldout(p, 0.2) for p in dm.validation_problems())
+    other = RolloutDataModule(tokenizer=POLICY, seed=5, val_fraction=0.2)
+    assert not {str(p["messages"]) for i in range(100) for p in other.problems(i)} & val

@@ -21,6 +21,8 @@ from composer_lightning.chat import problem_messages, tokenize_prompt
 from composer_lightning.datamodules.jsonl import read_jsonl, stream_positions
 from composer_lightning.distributed import data_parallel
 from composer_lightning.tasks import Task, get_task
+from composer_lightning.tasks.base import Problem
+from composer_lightning.validation import is_heldout
 
 
 def read_prompt_file(path: str, task: str | None = None) -> list[dict[str, Any]]:
@@ -75,6 +77,10 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_file: JSONL prompts (plus any fields the verifier needs); None samples the task.
         prompts_per_step: prompts per rollout batch on each rank (each gets G samples).
         seed: seed of the prompt stream.
+        val_fraction: share of the problem space held out for validation (by a hash of each
+            problem's chat: the training stream never sees a held-out problem); 0: none.
+        val_prompts: size of the validation set (fewer when the held-out space is smaller;
+            for a prompt file, its held-out lines); 0: no validation.
     """
 
     def __init__(
@@ -85,6 +91,8 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_file: str | None = None,
         prompts_per_step: int = 8,
         seed: int = 0,
+        val_fraction: float = 0.2,
+        val_prompts: int = 64,
     ):
         super().__init__()
         if task is None and prompt_file is None:
@@ -97,6 +105,19 @@ class RolloutDataModule(L.LightningDataModule):
             read_prompt_file(prompt_file, task) if prompt_file is not None else None
         )
         self.prompts_per_step, self.seed = prompts_per_step, seed
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if val_prompts < 0:
+            raise ValueError(f"val_prompts must be >= 0, got {val_prompts}")
+        self.val_fraction, self.val_prompts = val_fraction, val_prompts
+        if self.file_problems is not None and val_fraction > 0:  # split the file once
+            held = [p for p in self.file_problems if is_heldout(p, val_fraction)]
+            self.file_problems = [p for p in self.file_problems if not is_heldout(p, val_fraction)]
+            if not self.file_problems:
+                raise ValueError(
+                    f"every line of {prompt_file!r} is held out (val_fraction={val_fraction})"
+                )
+            self._file_val = held[:val_prompts]
         self.consumed = 0  # prompt batches handed to training (the stream position)
         self._tokenizer = None
 
@@ -128,7 +149,7 @@ class RolloutDataModule(L.LightningDataModule):
         P = self.prompts_per_step
         if self.file_problems is None:
             rng = random.Random(f"{self.seed}/{index}/{rank}")
-            return [self.task.sample(rng) for _ in range(P)]
+            return [self._training_problem(rng) for _ in range(P)]
         start = index * P * world + rank * P
         out = []
         for i in stream_positions(start, start + P, len(self.file_problems), self.seed):
@@ -137,6 +158,50 @@ class RolloutDataModule(L.LightningDataModule):
                 problem["task"] = self.task_name
             out.append(problem)
         return out
+
+    def _training_problem(self, rng: random.Random) -> Problem:
+        for _ in range(10_000):  # rejection: the held-out split is a fixed share of the space
+            problem = self.task.sample(rng)
+            if not is_heldout(problem, self.val_fraction):
+                return problem
+        raise ValueError(
+            f"the task draws only held-out problems (val_fraction={self.val_fraction})"
+        )
+
+    def validation_problems(self) -> list[Problem]:
+        """The held-out set: distinct problems of the held-out split, the same on every rank."""
+        if self.val_prompts == 0 or self.val_fraction == 0:
+            return []
+        if self.file_problems is not None:
+            return list(self._file_val)
+        rng, out, seen = random.Random(f"{self.seed}/validation"), [], set()
+        for _ in range(self.val_prompts * 500):  # bounded: a small space has few held-out problems
+            problem = self.task.sample(rng)
+            key = str(problem_messages(problem))
+            if key not in seen and is_heldout(problem, self.val_fraction):
+                seen.add(key)
+                out.append(problem)
+                if len(out) == self.val_prompts:
+                    break
+        return out
+
+    def val_dataloader(self) -> DataLoader | list:
+        """This rank's share of the held-out set, in prompt batches (equal shares on all ranks)."""
+        problems = self.validation_problems()
+        rank, world = self._rank()
+        mine = problems[: len(problems) // world * world][rank::world]
+        if not mine:
+            return []
+        P = self.prompts_per_step
+        batches = [
+            {
+                "index": -1,
+                "problems": part,
+                "prompt_ids": [tokenize_prompt(self.tokenizer, p) for p in part],
+            }
+            for part in (mine[i : i + P] for i in range(0, len(mine), P))
+        ]
+        return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
     def prompt_batch(self, index: int) -> dict[str, Any]:
         problems = self.problems(index)

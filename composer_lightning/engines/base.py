@@ -19,7 +19,8 @@ class SamplingConfig:
     """How an engine samples completions.
 
     Attributes:
-        temperature: logits are divided by it before sampling; must be > 0.
+        temperature: logits are divided by it before sampling, > 0; 0 means greedy decoding
+            (held-out evaluation; training rollouts must sample).
         top_p: nucleus mass in (0, 1]; keep 1.0 for training rollouts.
         top_k: keep the k most likely tokens; None (or 0) is off; keep off for training.
         max_tokens: the most tokens generated per completion (≥ 1).
@@ -38,8 +39,8 @@ class SamplingConfig:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and self.top_k < 0:

@@ -141,8 +141,8 @@ class HFEngine:
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
-            do_sample=True,
-            temperature=sampling.temperature,
+            do_sample=sampling.temperature > 0,  # 0: greedy
+            temperature=sampling.temperature or None,
             top_p=sampling.top_p,
             top_k=sampling.top_k_or_none or 0,  # 0 disables HF's top-k warper
             max_new_tokens=sampling.max_tokens,

@@ -6,7 +6,6 @@ from composer_lightning.engines import SamplingConfig
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"temperature": 0.0}, "temperature"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
