@@ -15,7 +15,9 @@ answers, with deliberately noisy targets so the policy is *sometimes right*:
 - hinted prompts (the prompt, then the verifier's hint for a wrong attempt as an extra user —
   or, 20% of the time, system — message): the target is always right.
 So plain arithmetic accuracy lands near 60% and a hint in context measurably helps; the measured
-numbers are written to `build_info.json`. Simplified on purpose: a single fixed data mix, no
+numbers are written to `build_info.json`. The carries are also the sparse-reward task
+(`Arithmetic(carry_only=True)`): greedy 0% and, sampled at temperature 0.6, 6% right alone,
+95% with the hint (`arithmetic_carry/...`). Simplified on purpose: a single fixed data mix, no
 validation split (the policy is a test fixture, not a model).
 """
 
@@ -162,8 +164,9 @@ def complete(
     greedy: bool = True,
     seed: int = 0,
     max_new_tokens: int = 8,
+    temperature: float = 1.0,
 ) -> list[str]:
-    """Decode one completion per chat (greedy, or sampling at temperature 1 with `seed`)."""
+    """Decode one completion per chat (greedy, or sampling at `temperature` with `seed`)."""
     prompts = [
         tokenizer(
             tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
@@ -175,7 +178,7 @@ def complete(
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sampling = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # 0: top-k off
+    sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}  # 0: off
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = model.generate(
@@ -197,16 +200,18 @@ def hint_accuracy(
     problems: list[Problem],
     greedy: bool = True,
     seed: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[float, float]:
     """(plain, hinted) accuracy: the hint is the verifier's hint for the model's own plain
     completion, or for `wrong_guess` when that completion was right."""
-    plain = complete(model, tokenizer, [p["messages"] for p in problems], greedy, seed)
+    msgs = [p["messages"] for p in problems]
+    plain = complete(model, tokenizer, msgs, greedy, seed, temperature=temperature)
     hints = [
         task.verify(p, c).hint or task.verify(p, wrong_guess(p)).hint
         for p, c in zip(problems, plain, strict=True)
     ]
     chats = [hinted_messages(p, h) for p, h in zip(problems, hints, strict=True)]
-    hinted = complete(model, tokenizer, chats, greedy, seed + 1)
+    hinted = complete(model, tokenizer, chats, greedy, seed + 1, temperature=temperature)
 
     def acc(outs: list[str]) -> float:
         return sum(
@@ -245,6 +250,18 @@ def build(out: str | Path, steps: int = 1500, batch_size: int = 48, lr: float = 
             plain, hinted = hint_accuracy(model, tokenizer, task, problems, greedy, seed=7)
             info[f"{task.name}/{mode}/plain_accuracy"] = plain
             info[f"{task.name}/{mode}/hinted_accuracy"] = hinted
+    # The sparse-reward task: carries, the policy's weak spot (it "forgets" them), at the
+    # temperature its config samples at (configs/sparse_*.yaml: 0.6) and greedy.
+    carry = Arithmetic(carry_only=True)
+    problems = carry.samples(300, seed=1234)
+    for mode, greedy, temperature in (
+        ("greedy", True, 1.0),
+        ("sampled_t0.6", False, 0.6),
+        ("sampled_t1", False, 1.0),
+    ):
+        plain, hinted = hint_accuracy(model, tokenizer, carry, problems, greedy, 7, temperature)
+        info[f"arithmetic_carry/{mode}/plain_accuracy"] = plain
+        info[f"arithmetic_carry/{mode}/hinted_accuracy"] = hinted
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

@@ -67,6 +67,9 @@ class Arithmetic(Task):
         ops: operators to draw from, any of "+", "-", "*".
         allow_negative: if False, "-" problems are ordered so the answer is ≥ 0.
         template: the user message; `{a}`, `{op}`, `{b}` are filled in.
+        carry_only: draw only "+" problems whose units digits carry (a % 10 + b % 10 ≥ 10): the
+            shipped tiny policy's weak spot, a sparse-reward task (its `build_info.json` has the
+            measured accuracies under `arithmetic_carry/`).
     """
 
     name = "arithmetic"
@@ -79,6 +82,7 @@ class Arithmetic(Task):
         ops: tuple[str, ...] | list[str] = ("+",),
         allow_negative: bool = False,
         template: str = "What is {a} {op} {b}?",
+        carry_only: bool = False,
     ) -> None:
         if min_value > max_value:
             raise ValueError(f"min_value {min_value} > max_value {max_value}")
@@ -89,6 +93,13 @@ class Arithmetic(Task):
         self.ops = tuple(ops)
         self.allow_negative = allow_negative
         self.template = template
+        units = {v % 10 for v in range(min_value, min(max_value, min_value + 9) + 1)}
+        if carry_only and (self.ops != ("+",) or 2 * max(units) < 10):
+            raise ValueError(
+                f"carry_only needs ops ['+'] and operands that can carry, got "
+                f"ops {list(self.ops)}, max_value {max_value}"
+            )
+        self.carry_only = carry_only
 
     def make(self, a: int, op: str, b: int) -> Problem:
         """The problem `a <op> b` (used by `sample` and by tests)."""
@@ -106,6 +117,11 @@ class Arithmetic(Task):
     def sample(self, rng: random.Random) -> Problem:
         a = rng.randint(self.min_value, self.max_value)
         b = rng.randint(self.min_value, self.max_value)
+        while self.carry_only and a % 10 + b % 10 < 10:  # rejection: the same rng stream
+            a, b = (
+                rng.randint(self.min_value, self.max_value),
+                rng.randint(self.min_value, self.max_value),
+            )
         op = rng.choice(self.ops)
         if op == "-" and not self.allow_negative and b > a:
             a, b = b, a

@@ -97,3 +97,23 @@ def test_hint_in_context_helps(policy, task, greedy_margin: float) -> None:
     assert hinted_t1 > plain_t1 + 0.2, (plain_t1, hinted_t1)
     if task.name == "arithmetic":
         assert 0.3 <= plain <= 0.75 and 0.3 <= plain_t1 <= 0.75  # "sometimes right"
+
+
+def test_the_carry_task_is_sparse_and_the_hint_makes_it_dense(policy) -> None:
+    """`Arithmetic(carry_only=True)` at the sparse config's temperature 0.6: the policy is
+    rarely right alone and mostly right with the verifier's hint (on 100 fresh problems; the
+    build's 300-problem figures are in build_info.json, checked here too)."""
+    model, tokenizer = policy
+    torch.set_num_threads(1)
+    task = Arithmetic(carry_only=True)
+    problems = task.samples(100, seed=42)
+    plain, hinted = hint_accuracy(
+        model, tokenizer, task, problems, greedy=False, seed=5, temperature=0.6
+    )
+    assert plain <= 0.12 and hinted >= 0.8, (plain, hinted)
+    greedy_plain, greedy_hinted = hint_accuracy(model, tokenizer, task, problems, greedy=True)
+    assert greedy_plain <= 0.05 and greedy_hinted >= 0.9, (greedy_plain, greedy_hinted)
+    info = json.loads((Path(tiny_policy_path()) / "build_info.json").read_text())
+    assert info["arithmetic_carry/sampled_t0.6/plain_accuracy"] <= 0.10
+    assert info["arithmetic_carry/greedy/plain_accuracy"] <= 0.10
+    assert info["arithmetic_carry/sampled_t0.6/hinted_accuracy"] >= 0.60
