@@ -205,7 +205,7 @@ def chunked_generalized_jsd(
         chunk_size: Rows per checkpointed chunk.
 
     Returns:
-        `(per_token, capped_fraction)` as `generalized_jsd_per_token` returns them; the second
+        `(per_token, clipped_share)` as `generalized_jsd_per_token` returns them; the second
         is detached. Both are float32 for half-precision inputs, and empty (still attached to
         the graph) for N = 0.
     """

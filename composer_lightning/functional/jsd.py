@@ -50,7 +50,7 @@ def generalized_jsd_per_token(
     clip: float | None = None,
     clip_mode: str = "element",
 ) -> tuple[Tensor, Tensor]:  # [B, T], [B, T]
-    """Per-token generalised JSD and the fraction of it that the clip capped.
+    """Per-token generalised JSD and the share of it that the clip removed.
 
     With `p_S = softmax(student_logits / temperature)`, `p_T = softmax(teacher_logits /
     temperature)` (no temperature^2 factor), each vocabulary entry contributes
@@ -70,9 +70,10 @@ def generalized_jsd_per_token(
         clip_mode: `"element"` or `"token"`.
 
     Returns:
-        `(per_token, capped_fraction)`: the divergence per token, and per token the fraction
-        of vocabulary entries capped (`element`) or 1.0 where the token's sum was capped
-        (`token`); both 0 off the mask. Half-precision logits are computed in float32.
+        `(per_token, clipped_share)`: the divergence per token, and per token the share of its
+        unclipped divergence that the clip removed, `(unclipped − clipped) / unclipped`
+        (detached; 0 without a clip) — the figure to tune `clip` by; both 0 off the mask.
+        Half-precision logits are computed in float32.
     """
     check_jsd_options(beta, temperature, clip, clip_mode)
     check_ndim("student_logits", student_logits, (2, 3))
@@ -104,20 +105,24 @@ def generalized_jsd_per_token(
             log_ps - log_m
         )
 
+    unclipped = terms.sum(dim=-1)
     if clip is not None and clip_mode == "element":
-        capped = (terms > clip).to(terms.dtype).mean(dim=-1)
         per_token = terms.clamp(max=clip).sum(dim=-1)
+    elif clip is not None:
+        per_token = unclipped.clamp(max=clip)
     else:
-        per_token = terms.sum(dim=-1)
-        if clip is not None:
-            capped = (per_token > clip).to(per_token.dtype)
-            per_token = per_token.clamp(max=clip)
-        else:
-            capped = torch.zeros_like(per_token)
+        per_token = unclipped
+    with torch.no_grad():  # what the clip removed, as a share of the token's divergence
+        removed = unclipped - per_token
+        share = torch.where(
+            unclipped > 0,
+            removed / unclipped.clamp(min=torch.finfo(s.dtype).tiny),
+            torch.zeros_like(removed),
+        )
     if m is not None:
         per_token = torch.where(m, per_token, torch.zeros_like(per_token))
-        capped = torch.where(m, capped, torch.zeros_like(capped))
-    return per_token, capped.detach()
+        share = torch.where(m, share, torch.zeros_like(share))
+    return per_token, share
 
 
 def generalized_jsd(

@@ -73,7 +73,7 @@ class SDPOHead(Head):
         mask = supervised & ~misaligned.unsqueeze(1)  # [B, T]
         # Only the supervised tokens' hidden states enter the divergence, [N, H]; the LM head
         # is applied to them in chunks, so no [N, V] logits outlive one chunk.
-        per_token, capped = chunked_generalized_jsd(
+        per_token, clipped = chunked_generalized_jsd(
             ctx.hidden[mask],
             ctx.lm_head_weight,
             ctx.teacher_hidden[mask],
@@ -90,7 +90,7 @@ class SDPOHead(Head):
             loss=loss,
             metrics={
                 "jsd": loss.detach(),
-                "capped_frac": capped.float().mean() if n else 0.0,
+                "clipped_share": clipped.float().mean() if n else 0.0,
                 "tokens": float(n),
                 "misaligned": float(misaligned.sum()),
             },
