@@ -49,7 +49,10 @@ class RolloutBatch:
         group_ids: `[B]` long, samples of one prompt share an id.
         max_response_length: the engine's `max_tokens`; the default `norm_length`.
         policy_version: the weight version that generated the batch.
-        engine_logprobs: `[B, T]` sampled-token log-probs reported by the engine (canary).
+        engine_logprobs: `[B, T]` sampled-token log-probs reported by the engine (canary; the
+            behaviour log-probs of a stale batch).
+        behavior_logprobs: `[B, T]` the trainer's log-probs at `policy_version`, recomputed for
+            a stale batch on some rows (NaN elsewhere) for the canary; None on policy.
         has_teacher: `[B]` bool, an accepted hint exists for the sample.
         teacher_input_ids: `[B, T']` hinted context ⊕ the same response.
         teacher_attention_mask: `[B, T']`.
@@ -69,6 +72,7 @@ class RolloutBatch:
     max_response_length: int
     policy_version: int = 0
     engine_logprobs: Tensor | None = None
+    behavior_logprobs: Tensor | None = None
     has_teacher: Tensor | None = None
     teacher_input_ids: Tensor | None = None
     teacher_attention_mask: Tensor | None = None
@@ -103,6 +107,7 @@ class RolloutBatch:
             "response_mask",
             "sdpo_mask",
             "engine_logprobs",
+            "behavior_logprobs",
             "teacher_positions",
         ]
         per_sample = ["rewards", "has_reward", "group_ids", "has_teacher"]

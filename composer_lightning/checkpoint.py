@@ -77,5 +77,7 @@ def check_loop_settings(**settings: Any) -> None:
             raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
     for name in ("max_grad_norm", "max_logprob_gap"):
         v = settings[name]
-        if v is not None and not v > 0:
-            raise ValueError(f"{name} must be > 0 or None, got {v}")
+        if name == "max_logprob_gap" and v == "auto":
+            continue
+        if v is not None and (isinstance(v, str) or not v > 0):
+            raise ValueError(f"{name} must be > 0 or None, got {v!r}")

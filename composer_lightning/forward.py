@@ -341,6 +341,7 @@ def step_context(
         norm_length=norm_length,
         temperature=temperature,
         chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),
+        behavior_logprobs=targets.behavior_logprobs,
         _provided=provided,
         _policy_forward=policy_forward,
         _reference_forward=reference_forward if reference is not None else None,

@@ -16,7 +16,11 @@ import torch
 from torch import Tensor
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.functional import masked_aggregate, policy_loss
+from composer_lightning.functional import (
+    masked_aggregate,
+    policy_loss,
+    truncated_importance_weights,
+)
 from composer_lightning.functional.policy import AGGREGATION_MODES
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.mixer import AdvantageTerm, masked_stats, variance_scales
@@ -37,6 +41,10 @@ class Objective:
         entropy_coef: entropy bonus coefficient (≥ 0).
         mixing: `advantage` (one surrogate on the mixed advantage) or `loss` (one per term).
         variance_matching: name of a reference advantage head, or None.
+        importance_cap: for a stale batch (`ctx.behavior_logprobs` set), the surrogate's
+            per-token loss is weighted by `min(exp(old − behaviour), importance_cap)`
+            (truncated importance sampling, verl's `rollout_is_threshold`); None: no weights.
+            Loss heads (SDPO, DPO) are not reweighted.
     """
 
     def __init__(
@@ -50,6 +58,7 @@ class Objective:
         entropy_coef: float = 0.0,
         mixing: Mixing = "advantage",
         variance_matching: str | None = None,
+        importance_cap: float | None = 2.0,
     ):
         self.heads = _check_heads(heads)
         if not 0 < clip_low < 1:
@@ -72,7 +81,10 @@ class Objective:
             )
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.aggregation, self.entropy_coef = aggregation, entropy_coef
+        if importance_cap is not None and not importance_cap >= 1:
+            raise ValueError(f"importance_cap must be >= 1 or None, got {importance_cap}")
         self.mixing, self.variance_matching = mixing, variance_matching
+        self.importance_cap = importance_cap
 
     def weights(self, step: int) -> dict[str, float]:
         """Every head's effective weight at optimizer step `step`."""
@@ -148,26 +160,41 @@ class Objective:
         self, ctx: StepContext, batch: RolloutBatch, terms: list[AdvantageTerm]
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The clipped surrogate of the weighted advantage terms, per `mixing`."""
+        weights, is_metrics = self.importance_weights(ctx, batch)
         kw = dict(
             clip_low=self.clip_low,
             clip_high=self.clip_high,
             dual_clip=self.dual_clip,
             aggregation=self.aggregation,
             norm_length=ctx.norm_length,
+            weights=weights,
         )
         scaled = [t.weight * t.advantages for t in terms]
         mixed = torch.stack(scaled).sum(0)  # [B, T]
         if self.mixing == "advantage":
-            return policy_loss(ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw)
-        loss = sum(
-            policy_loss(ctx.logprobs, ctx.old_logprobs, a, batch.response_mask, **kw)[0]
-            for a in scaled
-        )
-        with torch.no_grad():
-            _, metrics = policy_loss(
+            loss, metrics = policy_loss(
                 ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw
             )
-        return loss, metrics
+        else:
+            loss = sum(
+                policy_loss(ctx.logprobs, ctx.old_logprobs, a, batch.response_mask, **kw)[0]
+                for a in scaled
+            )
+            with torch.no_grad():
+                _, metrics = policy_loss(
+                    ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw
+                )
+        return loss, metrics | {f"is_{k}": v for k, v in is_metrics.items()}
+
+    def importance_weights(
+        self, ctx: StepContext, batch: RolloutBatch
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """The truncated importance weights of a stale batch (None on policy)."""
+        if ctx.behavior_logprobs is None or self.importance_cap is None:
+            return None, {}
+        return truncated_importance_weights(
+            ctx.old_logprobs, ctx.behavior_logprobs, batch.response_mask, self.importance_cap
+        )
 
 
 def _check_heads(heads: list[Head]) -> list[Head]:

@@ -37,6 +37,8 @@ class RolloutTargets:
         teacher_hidden: `[B, T, H]` the teacher hidden state predicting each student token.
         teacher_lm_head_weight: `[V, H]` the teacher's LM head; None means the live policy's
             (unchanged since the teacher forward: a single update).
+        behavior_logprobs: `[B, T]` log-probs of the policy that sampled the batch when it is
+            an older version than the trainer's (overlapped generation); None on policy.
     """
 
     old_logprobs: Tensor | None = None
@@ -45,6 +47,7 @@ class RolloutTargets:
     teacher_aligned: Tensor | None = None
     teacher_hidden: Tensor | None = None
     teacher_lm_head_weight: Tensor | None = None
+    behavior_logprobs: Tensor | None = None
 
     def select(self, index: Tensor) -> RolloutTargets:
         """The rows `index` of every per-sample tensor (the LM head weight is shared)."""
@@ -66,7 +69,11 @@ class StepContext:
         global_step: the optimizer step count.
         logprobs: `[B, T]` policy log-probs of the sampling distribution (grad), computed on the
             response tokens (0 elsewhere); so are `old_logprobs` and `ref_logprobs`.
-        old_logprobs: `[B, T]` log-probs of the policy that generated the rollout (detached).
+        old_logprobs: `[B, T]` log-probs of the policy before this rollout batch's first
+            update (detached): the sampling policy, or the proximal one for a stale batch.
+        behavior_logprobs: `[B, T]` log-probs of the older policy version that sampled a stale
+            batch (the engine's); None on policy. The surrogate's importance weights
+            `min(exp(old − behaviour), cap)` come from it.
         aggregation: the module's aggregation mode; `norm_length` its normaliser.
         temperature: the sampling temperature the log-probs are taken at.
         chunk_size: tokens per LM-head chunk, for heads that apply the LM head themselves.
@@ -79,6 +86,7 @@ class StepContext:
     norm_length: int | None
     temperature: float
     chunk_size: int = 1024
+    behavior_logprobs: Tensor | None = None
     _provided: dict[str, object] = field(default_factory=dict)
     _policy_forward: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
     _reference_forward: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None

@@ -76,6 +76,7 @@ def policy_loss(
     dual_clip: float | None = None,
     aggregation: str = "token_sum_norm",
     norm_length: float | None = None,
+    weights: Tensor | None = None,  # [B, T] detached per-token weights
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric ("clip-higher") bounds and optional dual clip.
 
@@ -90,9 +91,13 @@ def policy_loss(
     old_log_prob, min=-20.0, max=20.0)`), so a stale or corrupt `old_logprobs` cannot overflow
     the ratio to inf; a clamped token passes no gradient through the ratio.
 
+    With `weights` (e.g. `truncated_importance_weights` for a stale batch) each token's loss is
+    multiplied by its weight before the aggregation, as verl's `rollout_is_weights`.
+
     Args:
         logprobs: Log-probs of the sampled tokens under the current policy.
-        old_logprobs: Log-probs under the policy that generated them.
+        old_logprobs: Log-probs under the proximal policy (the one that generated them, on
+            policy).
         advantages: Per-token advantages (detached by the caller).
         response_mask: Tokens that carry loss.
         clip_low: Lower clip epsilon, in (0, 1).
@@ -100,6 +105,7 @@ def policy_loss(
         dual_clip: Dual-clip constant c > 1, or None for none.
         aggregation: A `masked_aggregate` mode.
         norm_length: Normaliser for `token_sum_norm`.
+        weights: Per-token loss weights (detached), or None for all ones.
 
     Returns:
         `(loss, metrics)`: the scalar loss and detached scalar metrics over the masked tokens:
@@ -116,6 +122,7 @@ def policy_loss(
         ("old_logprobs", old_logprobs),
         ("advantages", advantages),
         ("response_mask", response_mask),
+        *([("weights", weights)] if weights is not None else []),
     )
     m = as_bool_mask(response_mask)
     # Sanitise *before* exp: the where on the loss alone would still send 0 * NaN = NaN back
@@ -133,6 +140,8 @@ def policy_loss(
         dual = -dual_clip * adv
         dual_taken = (adv < 0) & (dual < per_token)
         per_token = torch.where(adv < 0, torch.minimum(per_token, dual), per_token)
+    if weights is not None:
+        per_token = per_token * torch.where(m, weights.detach(), zero)
     per_token = torch.where(m, per_token, zero)
     loss = masked_aggregate(per_token, m, aggregation, norm_length)
 
