@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from composer_lightning.batch import RolloutBatch
+from composer_lightning.engines import HFEngine
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.module import ComposerModule
 from composer_lightning.step import StepContext
@@ -130,3 +131,28 @@ class StepMarker(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         print(f"STEP {trainer.global_step}", file=sys.stderr, flush=True)
+
+
+class KillAt(L.Callback):
+    """Kills its own process with SIGKILL (no handler runs) when step `step` starts."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LostPushEngine(HFEngine):
+    """An engine whose pushes after the first are lost: it claims the version, keeps its weights
+    (importable, so it also runs in a background engine's child process)."""
+
+    def load_weights(self, weights, version: int) -> None:
+        if self.weight_version == 0 and not getattr(self, "_loaded_once", False):
+            self._loaded_once = True
+            return super().load_weights(weights, version)
+        self._version = int(version)

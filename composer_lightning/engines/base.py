@@ -7,6 +7,7 @@ the trainer can compare them to its own log-probs (the canary, see DESIGN.md).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -212,8 +213,8 @@ def check_prompts(prompts: list[list[int]], n: int) -> None:
             raise ValueError(f"prompt {i} is empty; engines need at least one prompt token")
 
 
-def resolve_seed(sampling: SamplingConfig, rng: torch.Generator) -> int:
+def resolve_seed(sampling: SamplingConfig, rng: random.Random) -> int:
     """The call's seed: `sampling.seed`, or a fresh draw from the engine's own generator."""
     if sampling.seed is not None:
         return sampling.seed
-    return int(torch.randint(0, 2**62, (1,), generator=rng))
+    return rng.getrandbits(62)

@@ -8,6 +8,7 @@ batch; the trainer's global RNG is never touched (sampling runs under `fork_rng`
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Iterable
 
 import torch
@@ -53,7 +54,7 @@ class HFEngine:
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self._source, self._device = model, device
         self.model: nn.Module | None = None
-        self._rng = torch.Generator().manual_seed(seed)
+        self._rng = random.Random(seed)  # picklable: an engine may start in a child
         self._version = 0
         if model is not None:  # a given module is copied now, as it is
             self.start(EngineContext(device=device or "cpu"))

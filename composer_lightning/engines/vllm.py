@@ -151,7 +151,7 @@ class VLLMEngine:
         self.enable_sleep_mode, self.llm_kwargs, self.verbose = sleep, llm_kwargs, verbose
         self.llm: Any = None
         self.eos_token_ids: list[int] = []
-        self._rng = torch.Generator().manual_seed(seed)
+        self._rng = random.Random(seed)  # picklable: an engine may start in a child
         self._version, self._asleep = 0, False
 
     def start(self, context: EngineContext | None = None) -> None:

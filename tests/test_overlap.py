@@ -1,0 +1,223 @@
+"""Generation overlapped with training (`max_staleness` k > 0): batches pinned to version
+m − k, the off-policy correction, the canary at the generating version (and a lost push caught
+at the next step, with or without overlap), and an exact resume after kill -9."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.datamodules.rollout import RolloutDataModule
+from composer_lightning.engines import HFEngine, SamplingConfig
+from composer_lightning.engines.background import BackgroundEngine
+from composer_lightning.engines.base import EngineContext
+from composer_lightning.engines.weights import iter_hf_weights
+from composer_lightning.errors import ConfigError
+from composer_lightning.heads.dr_grpo import DrGRPOHead
+from composer_lightning.heads.opd import OPDHead
+from composer_lightning.models.loading import load_causal_lm
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.module import ComposerModule, OutOfSyncError
+from composer_lightning.tasks import VerifierHint
+from tests.helpers import LostPushEngine
+from tests.test_cli import ROOT
+
+POLICY = tiny_policy_path()
+
+
+def _version(v: int) -> list[tuple[str, torch.Tensor]]:
+    """Weight version v: the tiny policy moved by a fixed random step per version."""
+    g = torch.Generator().manual_seed(v)
+    return [
+        (n, t + 0.3 * v * torch.randn(t.shape, generator=g) * t.std())
+        for n, t in iter_hf_weights(load_causal_lm(POLICY))
+    ]
+
+
+def test_batch_m_is_generated_by_exactly_version_m_minus_k():
+    k, prompts = 2, [[1, 5, 7, 9], [2, 4, 6]]
+    sampling = SamplingConfig(max_tokens=6, seed=11)
+    versions = [_version(v) for v in range(6)]
+    bg = BackgroundEngine(
+        HFEngine(model_path=POLICY, seed=0),
+        EngineContext(model_path=POLICY),
+        versions[0],
+        max_staleness=k,
+    )
+    try:
+        bg.publish(versions[0], 0)
+        got = {}
+        for m in range(5):  # the trainer's loop: ask m … m + k, take m, train, publish m + 1
+            for index in range(m, m + k + 1):
+                bg.ask(index, prompts, 3, sampling)
+            version, outs, seconds = bg.take(m)
+            assert version == max(0, m - k) and seconds > 0
+            got[m] = outs
+            weights = bg.version_weights(version)
+            assert weights is not None  # readable while batch m trains
+            for (name, tensor), (_, ring) in zip(versions[version], weights.items(), strict=True):
+                assert torch.equal(tensor, ring), name
+            bg.publish(versions[m + 1], m + 1)
+            assert bg.version_weights(m + 1 - k - 1) is None  # its slot now holds m + 1
+    finally:
+        bg.close()
+    reference = HFEngine(model_path=POLICY, seed=0)
+    outputs = {}
+    for m, outs in got.items():
+        reference.load_weights(versions[max(0, m - k)], max(0, m - k))
+        want = reference.generate(prompts, 3, sampling)
+        outputs[m] = [[c.token_ids for c in row] for row in want]
+        assert [[c.token_ids for c in row] for row in outs] == outputs[m], m
+        for row, ref_row in zip(outs, want, strict=True):
+            for c, r in zip(row, ref_row, strict=True):
+                assert max(abs(a - b) for a, b in zip(c.logprobs, r.logprobs, strict=True)) < 1e-6
+    assert outputs[2] != outputs[3] != outputs[4]  # the versions sample differently
+
+
+def _fit(engine, k, steps, lr=1e-4, callbacks=()):
+    module = ComposerModule(
+        POLICY, [DrGRPOHead(), OPDHead(weight=0.5)], optimizer=lambda p: torch.optim.AdamW(p, lr=lr)
+    )
+    rollout = RolloutCallback(
+        engine,
+        group_size=4,
+        sampling=SamplingConfig(max_tokens=8, seed=0),
+        hint=VerifierHint(),
+        samples_every_n_steps=0,
+        max_staleness=k,
+    )
+    seen = Metrics()
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[rollout, seen, *callbacks],
+    )
+    trainer.fit(module, RolloutDataModule(tokenizer=POLICY, prompts_per_step=8))
+    return module, seen.rows, trainer
+
+
+class Metrics(L.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def test_stale_batches_are_corrected_and_checked_at_their_version():
+    module, rows, _ = _fit(HFEngine(seed=0), k=1, steps=5, lr=1e-3)
+    assert module.policy_version == 5
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1, 1]
+    assert "ppo/is_weight_mean" not in rows[0]  # batch 0 is on policy
+    for r in rows[1:]:
+        assert 0 < r["ppo/is_weight_mean"] <= 2.0 and r["ppo/is_weight_max"] > 0
+        assert 0 <= r["ppo/is_clipped_frac"] <= 1
+    # the canary compares with the generating version's recomputed log-probs: healthy is ≈1e-6
+    assert max(r["rollout/logprob_gap_max"] for r in rows) < 1e-5
+
+
+@pytest.mark.parametrize("k,caught_at", [(0, 1), (1, 2)])
+def test_a_lost_push_is_stopped_at_the_next_step(k, caught_at):
+    """The engine claims every new version but keeps version 0's weights. On policy the first
+    batch sampled by the lost version is batch 1; with k = 1 it is batch 2. fp32, lr 1e-4."""
+    steps = []
+
+    class Step(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            steps.append(trainer.global_step)
+
+    with pytest.raises(OutOfSyncError, match=r"policy_version 1\)") as err:
+        _fit(LostPushEngine(seed=0), k=k, steps=8, callbacks=[Step()])
+    assert steps[-1] == caught_at, err.value
+    assert "max_logprob_gap=0.001" in str(err.value)  # the fp32 default
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_no_false_stop_over_200_healthy_steps(k):
+    module, rows, _ = _fit(HFEngine(seed=0), k=k, steps=200)
+    assert module.policy_version == 200
+    worst = max(r["rollout/logprob_gap_worst_rank"] for r in rows)
+    assert worst < 1e-5, worst  # two orders below the 1e-3 default
+
+
+def test_overlap_needs_one_process():
+    cb = RolloutCallback(HFEngine(model_path=POLICY), max_staleness=1)
+    module = ComposerModule(POLICY, [DrGRPOHead()])
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    ctx = EngineContext(world_size=2, model_path=POLICY)
+    with mock.patch.object(EngineContext, "current", return_value=ctx):
+        with pytest.raises(ConfigError, match="max_staleness=1 runs one trainer process"):
+            cb.setup(trainer, module, "fit")
+    with pytest.raises(ValueError, match="max_staleness must be an integer >= 0, got -1"):
+        RolloutCallback(HFEngine(model_path=POLICY), max_staleness=-1)
+
+
+# --------------------------------------------------------------------------- kill -9, resume
+STEPS = 8
+
+
+def _config(tmp_path) -> str:
+    config = yaml.safe_load(open(ROOT / "configs" / "tiny_cpu_hf.yaml"))
+    config["trainer"]["max_steps"] = STEPS
+    config["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
+    config["rollout"]["init_args"]["max_staleness"] = 2
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "overlap.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _run(root, *extra) -> subprocess.CompletedProcess:
+    args = [
+        "--config",
+        _config(root),
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.logger.init_args.save_dir={root}",
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "composer_lightning", "fit", *args, *extra],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _last(root) -> dict:
+    last = max(glob.glob(str(root / "**" / "last.ckpt"), recursive=True), key=os.path.getmtime)
+    return torch.load(last, map_location="cpu", weights_only=False)
+
+
+def test_kill_9_and_resume_equals_the_uninterrupted_run_with_overlap(tmp_path):
+    whole = _run(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    kill = '{"class_path": "tests.helpers.KillAt", "init_args": {"step": 5}}'
+    killed = _run(tmp_path / "killed", f"--trainer.callbacks+={kill}")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    at_kill = _last(tmp_path / "killed")
+    assert at_kill["global_step"] == 4
+    (pending,) = [v["pending"] for k, v in at_kill["callbacks"].items() if "RolloutCallback" in k]
+    # after batch 3: batches 4 and 5 were generated ahead (versions 2, 3), not trained on
+    assert sorted(pending) == [4, 5] and [pending[i][0] for i in (4, 5)] == [2, 3]
+    (last,) = glob.glob(str(tmp_path / "killed" / "**" / "last.ckpt"), recursive=True)
+    resumed = _run(tmp_path / "killed", f"--ckpt_path={last}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _last(tmp_path / "whole"), _last(tmp_path / "killed")
+    assert a["global_step"] == b["global_step"] == STEPS
+    for name, w in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][name], w), name
