@@ -38,6 +38,7 @@ from composer_lightning.models.loading import (
 from composer_lightning.models.sharding import shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.step import RolloutTargets, StepContext
+from composer_lightning.steplog import log_step
 from composer_lightning.validation import log_validation
 
 __all__ = ["ComposerModule", "OutOfSyncError"]
@@ -200,6 +201,7 @@ class ComposerModule(L.LightningModule):
             targets.behavior_logprobs = rb.engine_logprobs
         history: dict[str, list[float]] = defaultdict(list)
         canary = StepMetrics()
+        step_metrics = rb.extras.pop("metrics", None) or StepMetrics()  # the rollout side's
         for update in range(updates):
             idx = splits[update % len(splits)]
             mb = rb.select(idx)
@@ -224,11 +226,14 @@ class ComposerModule(L.LightningModule):
         sched = self.lr_schedulers()
         if sched is not None:
             sched.step()
+        step_metrics.update(canary.local(), kind="max")  # reduced already: equal on every rank
+        step_metrics.update({k: sum(v) / len(v) for k, v in history.items()})
+        reduced = agree(step_metrics)  # the step's one reduction of its metrics
+        bar = {"loss": history["train/loss"][-1], "reward": reduced.get("rollout/reward_mean")}
+        bar["s/step"] = reduced.get("time/step")
+        bar = {k: v for k, v in bar.items() if v is not None}
+        log_step(self.trainer, self.policy_version, reduced, bar)
         self.policy_version += 1
-        canary.update({k: sum(v) / len(v) for k, v in history.items()})
-        self.log_dict(agree(canary), on_step=True, batch_size=rb.batch_size)
-        last = history["train/loss"][-1]
-        self.log("loss", last, prog_bar=True, logger=False, batch_size=rb.batch_size)
         return loss.detach()
 
     def _max_gap(self, rb: RolloutBatch) -> float | None:

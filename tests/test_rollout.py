@@ -224,7 +224,7 @@ def test_a_judge_with_unparsable_output_gives_no_score_end_to_end():
 def test_sampling_seeds_never_repeat_across_steps_or_ranks(world, tp):
     """Each call uses seeds [seed, seed + prompts × G): the ranges of different (step, group)
     never overlap, and the ranks of one tensor-parallel group share theirs."""
-    from composer_lightning.callbacks.rollout import sampling_seed
+    from composer_lightning.callbacks.generation import sampling_seed
 
     P, G = 3 * tp, 4  # prompts in one call: a tensor-parallel group gathers its ranks' prompts
     used: dict[int, tuple[int, int]] = {}

@@ -17,43 +17,24 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
 import torch
 
 from composer_lightning.batch import RolloutBatch
+from composer_lightning.callbacks.generation import generate_ahead, generate_on_rank
 from composer_lightning.callbacks.samples import write_samples
 from composer_lightning.canary import version_logprobs
 from composer_lightning.dispatch import build_rollout
-from composer_lightning.distributed import StepMetrics, agree, world
+from composer_lightning.distributed import StepMetrics, agree
 from composer_lightning.engines.background import BackgroundEngine
-from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.errors import ConfigError
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, VerifierScore
 from composer_lightning.validation import evaluate
-
-
-def sampling_seed(
-    base: int,
-    step: int,
-    rank: int,
-    world_size: int,
-    tensor_parallel_size: int,
-    prompts: int,
-    group_size: int,
-) -> int:
-    """The seed of one generate call: never repeated across steps or ranks.
-
-    Engines seed prompt i, sample j of a call with `seed + i * G + j`, so a call uses the seeds
-    `[seed, seed + prompts * G)`; the call of tensor-parallel group c at step s starts at
-    `base + (s * groups + c) * prompts * G`, so no two calls' ranges overlap, and the ranks of
-    one group (which must sample identically) share it.
-    """
-    groups = world_size // tensor_parallel_size
-    return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
 
 
 class RolloutCallback(L.Callback):
@@ -105,7 +86,7 @@ class RolloutCallback(L.Callback):
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
         self.max_staleness = max_staleness
         self._background: BackgroundEngine | None = None
-        self._restored: dict[int, tuple[int, list[list[Completion]], float]] = {}
+        self._restored: dict[int, Any] = {}  # batches generated ahead, from a checkpoint
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if hint_role not in ("user", "system"):
@@ -165,7 +146,7 @@ class RolloutCallback(L.Callback):
                     self.max_staleness,
                     threads=torch.get_num_threads(),
                 )
-                self._background.restore(self._restored)
+                self._background.restore_state(self._restored)
             return
         self.engine.start(context)
         if tp > 1:  # every rank takes part in forming every group
@@ -196,22 +177,12 @@ class RolloutCallback(L.Callback):
     # ------------------------------------------------------------------ overlap state
     def state_dict(self) -> dict[str, Any]:
         """The batches generated ahead and not yet trained on (waits for them)."""
-        if self._background is None:
-            return {}
-        return {
-            "pending": {
-                index: (version, [[asdict(c) for c in row] for row in outs], seconds)
-                for index, (version, outs, seconds) in self._background.pending().items()
-            }
-        }
+        return {} if self._background is None else {"pending": self._background.pending_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = {
-            int(index): (version, [[Completion(**c) for c in row] for row in outs], seconds)
-            for index, (version, outs, seconds) in state_dict.get("pending", {}).items()
-        }
+        self._restored = state_dict.get("pending", {})
         if self._background is not None:
-            self._background.restore(self._restored)
+            self._background.restore_state(self._restored)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._background is not None:
@@ -278,30 +249,13 @@ class RolloutCallback(L.Callback):
             rollout = self._rollout(trainer, pl_module, batch, metrics)
         except Exception as exc:  # every rank raises it in this step (not one rank alone)
             error = exc
-        reduced = agree(metrics, error)
+        agree(error=error)  # a rank that failed stops every rank, here
         every = self.samples_every_n_steps
         if every and trainer.global_step % every == 0:
             write_samples(trainer, trainer.global_step, self._samples)
+        rollout.extras["metrics"] = metrics  # reduced and logged with the module's, once
         batch["rollout"] = rollout.to(pl_module.device)
         trainer.datamodule.consumed = int(batch["index"]) + 1
-        pl_module.log_dict(reduced, on_step=True, batch_size=rollout.batch_size)
-        pl_module.log(
-            "reward",
-            reduced["rollout/reward_mean"],
-            on_step=True,
-            prog_bar=True,
-            logger=False,
-            batch_size=rollout.batch_size,
-        )
-        if "time/step" in reduced:
-            pl_module.log(
-                "s/step",
-                reduced["time/step"],
-                on_step=True,
-                prog_bar=True,
-                logger=False,
-                batch_size=1,
-            )
 
     def _rollout(
         self,
@@ -310,17 +264,34 @@ class RolloutCallback(L.Callback):
         batch: dict[str, Any],
         metrics: StepMetrics,
     ) -> RolloutBatch:
-        tokenizer = trainer.datamodule.tokenizer
+        dm = trainer.datamodule
+        tokenizer = dm.tokenizer
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         sampling = replace(
             self.sampling, stop_token_ids=sorted(set(self.sampling.stop_token_ids) | set(eos))
         )
         start = time.perf_counter()
+        step = int(batch["index"])
         if self._background is not None:
-            version, outs, gen_time = self._generate_ahead(trainer, batch, sampling)
+            version, outs, gen_time = generate_ahead(
+                self._background,
+                lambda i: batch["prompt_ids"] if i == step else dm.prompt_batch(i)["prompt_ids"],
+                step,
+                sampling,
+                self._base_seed,
+                self.group_size,
+            )
             metrics.max("rollout/wait_time", time.perf_counter() - start)
         else:
-            outs = self._generate(batch["prompt_ids"], sampling, int(batch["index"]))
+            outs = generate_on_rank(
+                self.engine,
+                batch["prompt_ids"],
+                sampling,
+                step,
+                self._base_seed,
+                self.group_size,
+                self._tp_group,
+            )
             gen_time = time.perf_counter() - start
             self.engine.sleep()  # frees the device for the update (CUDA sleep mode), else nothing
             version = self.engine.weight_version
@@ -366,39 +337,3 @@ class RolloutCallback(L.Callback):
         metrics.max("rollout/gen_time", gen_time)
         metrics.sum("rollout/tokens_per_s", tokens / max(gen_time, 1e-9))
         return rollout
-
-    def _generate_ahead(
-        self, trainer: L.Trainer, batch: dict[str, Any], sampling: SamplingConfig
-    ) -> tuple[int, list[list[Completion]], float]:
-        """Batch m from the background engine, after asking for m + 1 … m + k."""
-        m, background = int(batch["index"]), self._background
-        for index in range(m, m + self.max_staleness + 1):
-            prompts = (
-                batch["prompt_ids"]
-                if index == m
-                else trainer.datamodule.prompt_batch(index)["prompt_ids"]
-            )
-            seed = sampling_seed(self._base_seed, index, 0, 1, 1, len(prompts), self.group_size)
-            background.ask(index, prompts, self.group_size, replace(sampling, seed=seed))
-        return background.take(m)
-
-    def _generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, step: int
-    ) -> list[list[Completion]]:
-        """Generate this rank's prompts; with tensor parallelism the ranks of a group generate
-        their gathered prompts together (as TRL's colocate mode does) and keep their own."""
-        rank, size = world()
-        tp = self.engine.tensor_parallel_size
-        mine = prompts
-        if tp > 1:
-            import torch.distributed as dist
-
-            parts: list[list[list[int]]] = [None] * tp  # type: ignore[list-item]
-            dist.all_gather_object(parts, prompts, group=self._tp_group)
-            offset = sum(len(p) for p in parts[: rank % tp])
-            prompts = [p for part in parts for p in part]
-        seed = sampling_seed(self._base_seed, step, rank, size, tp, len(prompts), self.group_size)
-        outs = self.engine.generate(
-            prompts, n=self.group_size, sampling=replace(sampling, seed=seed)
-        )
-        return outs if tp == 1 else outs[offset : offset + len(mine)]

@@ -23,6 +23,7 @@ import queue
 import time
 import traceback
 from collections.abc import Hashable, Iterable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -192,15 +193,24 @@ class BackgroundEngine:
         self._requests.put(("generate", key, prompts, n, sampling, self.published))
         return self.take(key)[1]
 
-    def pending(self) -> dict[int, tuple[int, list[list[Completion]], float]]:
-        """Every asked batch, generated (waits for them); they stay to be taken."""
+    def pending_state(self) -> dict[int, tuple[int, list[list[dict[str, Any]]], float]]:
+        """Every asked batch, generated (waits for them; they stay to be taken), as plain data
+        for a checkpoint: `{index: (version, completions as dicts, seconds)}`."""
         for index in sorted(self._asked):
             self._done[index] = self.take(index)
-        return {k: v for k, v in self._done.items() if isinstance(k, int)}
+        return {
+            index: (version, [[asdict(c) for c in row] for row in outs], seconds)
+            for index, (version, outs, seconds) in self._done.items()
+            if isinstance(index, int)
+        }
 
-    def restore(self, done: dict[int, tuple[int, list[list[Completion]], float]]) -> None:
-        """Batches generated before a resume (from `pending`), to be taken as if asked."""
-        self._done.update(done)
+    def restore_state(
+        self, state: dict[int, tuple[int, list[list[dict[str, Any]]], float]]
+    ) -> None:
+        """Batches generated before a resume (`pending_state`), to be taken as if asked."""
+        for index, (version, outs, seconds) in state.items():
+            completions = [[Completion(**c) for c in row] for row in outs]
+            self._done[int(index)] = (version, completions, seconds)
 
     def close(self) -> None:
         if self._process.is_alive():

@@ -1,0 +1,77 @@
+"""How the rollout callback calls its engine: sampling seeds, tensor-parallel groups, and
+generation ahead of the trainer through a `BackgroundEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from composer_lightning.distributed import world
+from composer_lightning.engines.background import BackgroundEngine
+from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
+
+
+def sampling_seed(
+    base: int,
+    step: int,
+    rank: int,
+    world_size: int,
+    tensor_parallel_size: int,
+    prompts: int,
+    group_size: int,
+) -> int:
+    """The seed of one generate call: never repeated across steps or ranks.
+
+    Engines seed prompt i, sample j of a call with `seed + i * G + j`, so a call uses the seeds
+    `[seed, seed + prompts * G)`; the call of tensor-parallel group c at step s starts at
+    `base + (s * groups + c) * prompts * G`, so no two calls' ranges overlap, and the ranks of
+    one group (which must sample identically) share it.
+    """
+    groups = world_size // tensor_parallel_size
+    return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
+
+
+def generate_on_rank(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    step: int,
+    base_seed: int,
+    group_size: int,
+    tp_group: Any = None,
+) -> list[list[Completion]]:
+    """This rank's completions of prompt batch `step`; with tensor parallelism the ranks of a
+    group generate their gathered prompts together (as TRL's colocate mode does) and keep
+    their own."""
+    rank, size = world()
+    tp = engine.tensor_parallel_size
+    mine = prompts
+    if tp > 1:
+        import torch.distributed as dist
+
+        parts: list[list[list[int]]] = [None] * tp  # type: ignore[list-item]
+        dist.all_gather_object(parts, prompts, group=tp_group)
+        offset = sum(len(p) for p in parts[: rank % tp])
+        prompts = [p for part in parts for p in part]
+    seed = sampling_seed(base_seed, step, rank, size, tp, len(prompts), group_size)
+    outs = engine.generate(prompts, n=group_size, sampling=replace(sampling, seed=seed))
+    return outs if tp == 1 else outs[offset : offset + len(mine)]
+
+
+def generate_ahead(
+    background: BackgroundEngine,
+    prompt_batch: Callable[[int], list[list[int]]],
+    step: int,
+    sampling: SamplingConfig,
+    base_seed: int,
+    group_size: int,
+) -> tuple[int, list[list[Completion]], float]:
+    """Prompt batch `step` from the background engine (its version, completions and
+    generation seconds), after asking for `step + 1 … step + k`. Seeds are those of the
+    on-policy loop, so only the weights that generate a batch differ."""
+    for index in range(step, step + background.k + 1):
+        prompts = prompt_batch(index)
+        seed = sampling_seed(base_seed, index, 0, 1, 1, len(prompts), group_size)
+        background.ask(index, prompts, group_size, replace(sampling, seed=seed))
+    return background.take(step)
