@@ -78,7 +78,7 @@ def check_canary(
 
 #: Rows of a stale batch whose log-probs are recomputed at the generating version: enough to
 #: see a lost push (every token of every row moves), cheap next to the update.
-CANARY_ROWS = 4
+CANARY_ROWS = 2
 
 
 class _Scoring(nn.Module):

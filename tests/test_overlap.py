@@ -83,7 +83,7 @@ def test_batch_m_is_generated_by_exactly_version_m_minus_k():
     assert outputs[2] != outputs[3] != outputs[4]  # the versions sample differently
 
 
-def _fit(engine, k, steps, lr=1e-4, callbacks=()):
+def _fit(engine, k, steps, lr=1e-4, callbacks=(), **trainer_kw):
     module = ComposerModule(
         POLICY, [DrGRPOHead(), OPDHead(weight=0.5)], optimizer=lambda p: torch.optim.AdamW(p, lr=lr)
     )
@@ -103,8 +103,8 @@ def _fit(engine, k, steps, lr=1e-4, callbacks=()):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[rollout, seen, *callbacks],
+        **({"limit_val_batches": 0} | trainer_kw),
     )
     trainer.fit(module, RolloutDataModule(tokenizer=POLICY, prompts_per_step=8))
     return module, seen.rows, trainer
@@ -128,6 +128,15 @@ def test_stale_batches_are_corrected_and_checked_at_their_version():
         assert 0 <= r["ppo/is_clipped_frac"] <= 1
     # the canary compares with the generating version's recomputed log-probs: healthy is ≈1e-6
     assert max(r["rollout/logprob_gap_max"] for r in rows) < 1e-5
+
+
+def test_held_out_evaluation_runs_through_the_engine_process():
+    module, rows, trainer = _fit(
+        HFEngine(seed=0), k=1, steps=4, val_check_interval=2, limit_val_batches=2
+    )
+    assert module.policy_version == 4
+    assert 0 <= float(trainer.callback_metrics["val/greedy_accuracy"]) <= 1
+    assert "val/pass@4" in trainer.callback_metrics
 
 
 @pytest.mark.parametrize("k,caught_at", [(0, 1), (1, 2)])
