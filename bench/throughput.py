@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+BATCH = 8 * 4  # prompts x G, every run
 MODEL_20M = dict(vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, intermediate_size=768)
 
 
@@ -146,10 +147,15 @@ def trl(path: str, steps: int, max_tokens: int) -> dict:
         return verifier.score([{"answer": a} for a in answer], texts)
 
     starts: list[float] = []
+    lengths: list[float] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             starts.append(time.perf_counter())  # start to start, everything in
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(BATCH * float(logs["completions/mean_length"]))
 
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
@@ -181,8 +187,10 @@ def trl(path: str, steps: int, max_tokens: int) -> dict:
         )
         trainer.train()
     times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    step = statistics.median(times[3:])
     nan = float("nan")
-    return {"step_s": statistics.median(times[3:]), "tok_s": nan, "push_ms": nan, "log_ms": nan}
+    tok_s = statistics.median(lengths[3:]) / step if len(lengths) > 3 else nan
+    return {"step_s": step, "tok_s": tok_s, "push_ms": nan, "log_ms": nan}
 
 
 # ------------------------------------------------------------------ the driver
