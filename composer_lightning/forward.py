@@ -192,36 +192,20 @@ def rollout_targets(
     parts: dict[str, list[tuple[Tensor, Tensor]]] = {}
     head_weight = None
     want_teacher, want_hidden = bool(needs & _TEACHER), bool(needs & _TEACHER_HIDDEN)
+    scored = [("old_logprobs", policy)] if old else []
+    scored += [("ref_logprobs", reference)] if "ref_logprobs" in needs else []
     for idx in splits:
         mb = rb.select(idx)
-        if old:
-            parts.setdefault("old_logprobs", []).append(
-                (
-                    idx,
-                    score_tokens(
-                        policy,
-                        mb.input_ids,
-                        mb.attention_mask,
-                        temperature=temperature,
-                        mask=mb.response_mask,
-                        chunk_size=chunk_size,
-                    ).logprobs,
-                )
-            )
-        if "ref_logprobs" in needs:
-            parts.setdefault("ref_logprobs", []).append(
-                (
-                    idx,
-                    score_tokens(
-                        reference,
-                        mb.input_ids,
-                        mb.attention_mask,
-                        temperature=temperature,
-                        mask=mb.response_mask,
-                        chunk_size=chunk_size,
-                    ).logprobs,
-                )
-            )
+        for key, model in scored:
+            lp = score_tokens(
+                model,
+                mb.input_ids,
+                mb.attention_mask,
+                temperature=temperature,
+                mask=mb.response_mask,
+                chunk_size=chunk_size,
+            ).logprobs
+            parts.setdefault(key, []).append((idx, lp))
         if want_teacher:
             lp, hidden, aligned, head_weight = _teacher(
                 mb, teacher or policy, temperature, chunk_size

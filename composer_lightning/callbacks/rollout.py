@@ -204,6 +204,13 @@ class RolloutCallback(L.Callback):
     ) -> None:
         self._push_time = self._push(pl_module)  # logged with the next step's metrics
 
+    def _sampling(self, tokenizer: Any) -> SamplingConfig:
+        """The sampling settings with the tokenizer's EOS among the stops (engines add the
+        model's own EOS ids)."""
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        stops = sorted(set(self.sampling.stop_token_ids) | set(eos))
+        return replace(self.sampling, stop_token_ids=stops)
+
     # ------------------------------------------------------------------ held-out evaluation
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._synced(pl_module):  # `validate` on a checkpoint
@@ -219,10 +226,7 @@ class RolloutCallback(L.Callback):
     ) -> None:
         """Greedy and sampled completions of the held-out prompts: the batch's figures."""
         tokenizer = trainer.datamodule.tokenizer
-        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        sampling = replace(
-            self.sampling, stop_token_ids=sorted(set(self.sampling.stop_token_ids) | set(eos))
-        )
+        sampling = self._sampling(tokenizer)
         seed = self._base_seed + 10**9 + batch_idx * len(batch["prompt_ids"]) * self.val_samples
         batch["val"] = evaluate(
             self._background or self.engine,
@@ -266,10 +270,7 @@ class RolloutCallback(L.Callback):
     ) -> RolloutBatch:
         dm = trainer.datamodule
         tokenizer = dm.tokenizer
-        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        sampling = replace(
-            self.sampling, stop_token_ids=sorted(set(self.sampling.stop_token_ids) | set(eos))
-        )
+        sampling = self._sampling(tokenizer)
         start = time.perf_counter()
         step = int(batch["index"])
         if self._background is not None:

@@ -110,7 +110,7 @@ class BackgroundEngine:
             raise ValueError(
                 f"max_staleness must be >= 1 for a background engine, got {max_staleness}"
             )
-        self.k, self.dtype = max_staleness, getattr(engine, "dtype", None)
+        self.k = max_staleness
         shapes = [(n, t.detach()) for n, t in named_weights]
         self.ring = [
             {n: torch.empty_like(t, device="cpu").share_memory_() for n, t in shapes}
