@@ -108,6 +108,36 @@ def agree(
     return _reduce([g["metrics"] for g in gathered])
 
 
+def per_rank(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order; call on every rank (a collective).
+
+    Lightning writes a checkpoint's non-tensor parts (callback states, `on_save_checkpoint`'s
+    additions) from rank 0 alone, so state that differs between ranks (replay buffers, RNG
+    states, batches generated ahead) is saved as this list and each rank restores its own
+    entry (`own`)."""
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    gathered: list[object] = [None] * size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def own(saved: list[object]) -> object:
+    """This rank's entry of a `per_rank` list saved in a checkpoint.
+
+    Raises:
+        ValueError: the checkpoint was written by a different number of ranks.
+    """
+    rank, size = world()
+    if len(saved) != size:
+        raise ValueError(
+            f"the checkpoint holds per-rank state of {len(saved)} ranks, this run has {size}: "
+            "resume with the same number of ranks"
+        )
+    return saved[rank]
+
+
 def _reduce(per_rank: list[dict[str, tuple[Kind, float, float]]]) -> dict[str, float]:
     acc: dict[str, list[tuple[Kind, float, float]]] = defaultdict(list)
     for values in per_rank:
