@@ -23,6 +23,7 @@ from composer_lightning.engines.base import (
     model_eos_ids,
     resolve_seed,
 )
+from composer_lightning.engines.fingerprint import Fingerprint, module_fingerprint
 from composer_lightning.engines.weights import hf_name
 
 
@@ -113,6 +114,12 @@ class HFEngine:
             self._params[key].copy_(tensor)
         self._version = int(version)
         self.reset_cache()
+
+    @torch.no_grad()
+    def weight_fingerprint(self) -> Fingerprint:
+        """The fingerprint of the weights this engine samples with (`engines/fingerprint.py`)."""
+        self.start()
+        return module_fingerprint(self.model.named_parameters())
 
     @torch.no_grad()
     def generate(

@@ -39,6 +39,7 @@ from composer_lightning.engines.base import (
     model_eos_ids,
     resolve_seed,
 )
+from composer_lightning.engines.fingerprint import Fingerprint, module_fingerprint
 from composer_lightning.engines.weights import hf_name
 from composer_lightning.logs import quiet_vllm
 
@@ -81,6 +82,12 @@ def _host_state_preserved() -> Iterator[None]:
         random.setstate(py_rng)
         os.environ.clear()
         os.environ.update(environ)
+
+
+@torch.no_grad()
+def _model_fingerprint(model: torch.nn.Module) -> Fingerprint:
+    """Runs in the vLLM worker: the fingerprint of the model's readable parameters."""
+    return module_fingerprint(model.named_parameters())
 
 
 class VLLMEngine:
@@ -247,6 +254,16 @@ class VLLMEngine:
             self._version = int(version)
             # Without this, cached prefixes computed with the old weights are reused.
             self.reset_cache()
+
+    def weight_fingerprint(self) -> Fingerprint | None:
+        """The fingerprint of the weights the worker holds (`engines/fingerprint.py`), read in
+        the worker; None with tensor parallelism (each worker holds a shard) or asleep."""
+        if self.tensor_parallel_size > 1 or self._asleep:
+            return None
+        self.start()
+        with _host_state_preserved():
+            (fingerprint,) = self.llm.apply_model(_model_fingerprint)[:1]
+        return fingerprint
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig

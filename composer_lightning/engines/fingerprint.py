@@ -1,0 +1,121 @@
+"""Weight fingerprints: does the engine hold exactly the weights of the version it claims?
+
+The log-prob canary sees a lost push only when the update moved the log-probs by more than the
+precision's noise: in bf16 a healthy gap is ≈1e-2, one missed step at lr 1e-4 moves it by
+0.009–0.03, so no threshold separates them. A fingerprint does, at any precision: the float64
+sum of every parameter's values, cast first to the engine's dtype (the cast the engine's own
+weight loader does), taken by the trainer from the tensors it pushes and by the engine from the
+parameters it holds after the push. The two differ only by the order of summation (a relative
+1e-13 at 1e8 values) unless a weight differs; one AdamW step moves a parameter's sum by far more
+(≈ lr · √numel, ≥ 1e-6 relative to its absolute sum at lr 1e-6).
+
+Names: engines report their own parameter names. vLLM fuses `q/k/v_proj` into `qkv_proj` and
+`gate/up_proj` into `gate_up_proj` (Llama, Qwen2, Mistral, ...); a fused parameter's sum is the
+sum of its parts. A parameter the engine cannot read back is left out of its fingerprint:
+vLLM's CPU backend repacks linear weights into oneDNN handles (the parameter is emptied), so
+there the fingerprint covers embeddings, norms, biases and the LM head — every one of which an
+update moves — and on GPUs every parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Fingerprint",
+    "FingerprintRecorder",
+    "fingerprint_mismatches",
+    "module_fingerprint",
+    "tensor_fingerprint",
+]
+
+#: name → (float64 sum, float64 sum of absolute values) of one parameter.
+Fingerprint = dict[str, tuple[float, float]]
+
+#: vLLM's stacked parameters: the HF leaf names whose tensors one engine parameter holds.
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_FUSED |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+#: Relative tolerance of a match: summation order only (float64 accumulation of ≤ 1e9 values).
+RTOL = 1e-9
+
+
+def tensor_fingerprint(tensor: Tensor, dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """`(sum, sum |x|)` in float64 of `tensor` after a cast to `dtype` (the engine's)."""
+    t = tensor.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    t = t.double()
+    return float(t.sum()), float(t.abs().sum())
+
+
+def module_fingerprint(named: Iterable[tuple[str, Tensor]]) -> Fingerprint:
+    """The fingerprint of the parameters an engine holds; empty (unreadable) ones are left
+    out. `named` is e.g. `model.named_parameters()`."""
+    return {name: tensor_fingerprint(t) for name, t in named if t.numel() > 0 and not t.is_meta}
+
+
+class FingerprintRecorder:
+    """Fingerprint the `(hf_name, tensor)` stream of a push as the engine consumes it (no
+    second gather of sharded weights).
+
+    Args:
+        weights: the push's stream.
+        dtype: the engine's dtype, or None to keep each tensor's own.
+    """
+
+    def __init__(self, weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype | None):
+        self._weights, self._dtype = weights, dtype
+        self.fingerprint: Fingerprint = {}
+
+        self._stream = self._record()
+
+    def _record(self) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in self._weights:
+            self.fingerprint[name] = tensor_fingerprint(tensor, self._dtype)
+            yield name, tensor
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        return self._stream
+
+    def finish(self) -> Fingerprint:
+        """Consume what the engine left of the stream (a gather is a collective: every rank
+        goes to the end) and return the fingerprint of all of it."""
+        for _ in self._stream:
+            pass
+        return self.fingerprint
+
+
+def _fused(name: str) -> str:
+    """The engine parameter that holds HF parameter `name` (`...q_proj.weight` → `...qkv_proj
+    .weight`); the name itself when it is not fused."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        parts[-2] = _FUSED[parts[-2]]
+    return ".".join(parts)
+
+
+def fingerprint_mismatches(trainer: Fingerprint, engine: Fingerprint) -> tuple[list[str], int]:
+    """The engine parameters whose sums differ from the trainer's, and how many were compared.
+
+    An engine parameter is compared with the trainer's parameter of the same name, else with
+    the sum of the trainer's parameters that vLLM fuses into it; one with no counterpart is not
+    compared (an engine-only buffer).
+    """
+    fused: dict[str, list[str]] = {}
+    for name in trainer:
+        fused.setdefault(_fused(name), []).append(name)
+    bad, compared = [], 0
+    for name, (engine_sum, _) in engine.items():
+        parts = [name] if name in trainer else fused.get(name, [])
+        if not parts:
+            continue
+        compared += 1
+        total = sum(trainer[p][0] for p in parts)
+        scale = sum(trainer[p][1] for p in parts)
+        if not abs(engine_sum - total) <= RTOL * scale + 1e-30:
+            bad.append(name)
+    return bad, compared
