@@ -156,3 +156,26 @@ class LostPushEngine(HFEngine):
             self._loaded_once = True
             return super().load_weights(weights, version)
         self._version = int(version)
+
+
+class BlindLostPushEngine(LostPushEngine):
+    """A lost-push engine that cannot read its weights back (no fingerprint): only the
+    log-prob gap can see what it lost."""
+
+    weight_fingerprint = None
+
+
+class HangingEngine(HFEngine):
+    """An engine whose generation never returns (a hung engine process); it creates the file
+    `marker` (if given) when a generation starts."""
+
+    def __init__(self, *args, marker: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.marker = marker
+
+    def generate(self, prompts, n, sampling):
+        import time
+
+        if self.marker is not None:
+            open(self.marker, "w").close()
+        time.sleep(3600)
