@@ -48,7 +48,8 @@ class RolloutBatch:
         has_reward: `[B]` bool, the score provider gave a usable score.
         group_ids: `[B]` long, samples of one prompt share an id.
         max_response_length: the engine's `max_tokens`; the default `norm_length`.
-        policy_version: the weight version that generated the batch.
+        policy_version: the weight version that generated the batch; None: unknown (synthetic
+            or recorded data), taken as on policy.
         engine_logprobs: `[B, T]` sampled-token log-probs reported by the engine (canary; the
             behaviour log-probs of a stale batch).
         behavior_logprobs: `[B, T]` the trainer's log-probs at `policy_version`, recomputed for
@@ -70,7 +71,7 @@ class RolloutBatch:
     has_reward: Tensor
     group_ids: Tensor
     max_response_length: int
-    policy_version: int = 0
+    policy_version: int | None = None
     engine_logprobs: Tensor | None = None
     behavior_logprobs: Tensor | None = None
     has_teacher: Tensor | None = None

@@ -19,7 +19,13 @@ from torch import Tensor, nn
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.callbacks.precision import AbsorbedUpdates
 from composer_lightning.callbacks.stop import CheckpointOnStop
-from composer_lightning.canary import OutOfSyncError, check_canary, default_max_logprob_gap
+from composer_lightning.canary import (
+    CANARY_METRICS,
+    OutOfSyncError,
+    check_canary,
+    default_max_logprob_gap,
+    nonfinite_loss,
+)
 from composer_lightning.checkpoint import (
     LOOP_SETTINGS,
     check_loop_settings,
@@ -196,7 +202,9 @@ class ComposerModule(L.LightningModule):
         updates = self.ppo_epochs * len(splits)
         needs = self.objective.requirements_over(self.global_step, updates)
         targets = self.rollout_targets(rb, needs, splits, updates)
-        stale = rb.policy_version != self.policy_version  # generated ahead, by an older version
+        # generated ahead, by an older version (a batch without a version stamp is taken as on
+        # policy: synthetic or recorded data, nothing to correct against)
+        stale = rb.policy_version is not None and rb.policy_version != self.policy_version
         if stale:
             targets.behavior_logprobs = rb.engine_logprobs
         history: dict[str, list[float]] = defaultdict(list)
@@ -211,10 +219,13 @@ class ComposerModule(L.LightningModule):
                 if targets.old_logprobs is None:  # a single update: the current log-probs
                     targets.old_logprobs = ctx.old_logprobs
                 canary = check_canary(rb, targets.old_logprobs, self._max_gap(rb), stale)
-                canary.max("rollout/staleness", self.policy_version - rb.policy_version)
+                if rb.policy_version is not None:
+                    canary.max("rollout/staleness", self.policy_version - rb.policy_version)
                 for head in self.heads:
                     head.on_rollout(rb, targets.old_logprobs)
             loss, metrics = self.objective(mb, ctx, weights)
+            # before the backward's collectives: a NaN on any rank stops every rank here
+            agree(error=nonfinite_loss(loss, self.policy_version))
             opt.zero_grad()
             self.manual_backward(loss)
             if self.max_grad_norm is not None:
@@ -232,6 +243,9 @@ class ComposerModule(L.LightningModule):
         bar = {"loss": history["train/loss"][-1], "reward": reduced.get("rollout/reward_mean")}
         bar["s/step"] = reduced.get("time/step")
         bar = {k: v for k, v in bar.items() if v is not None}
+        for name in CANARY_METRICS:  # a step that compared nothing shows no old figures
+            if name not in reduced:
+                self.trainer.callback_metrics.pop(name, None)
         log_step(self.trainer, self.policy_version, reduced, bar)
         self.policy_version += 1
         return loss.detach()

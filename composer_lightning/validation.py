@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +24,7 @@ import lightning as L
 from torchmetrics import MeanMetric
 
 from composer_lightning.chat import problem_messages
-from composer_lightning.engines.base import RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.tasks.base import Problem, ScoreProvider
 
 
@@ -35,7 +36,7 @@ def is_heldout(problem: Problem, fraction: float) -> bool:
 
 
 def evaluate(
-    engine: RolloutEngine,
+    generate: Callable[[list[list[int]], int, SamplingConfig], list[list[Completion]]],
     score: ScoreProvider,
     tokenizer: Any,
     prompts: list[list[int]],
@@ -47,8 +48,9 @@ def evaluate(
     """Greedy accuracy, pass@k and mean response length of one batch of held-out prompts.
 
     Args:
-        engine, score, tokenizer: the run's engine, a score provider (the verifier) and the
-            tokenizer that decodes completions.
+        generate: `(prompts, n, sampling) -> completions` through the run's engine (with
+            tensor parallelism, generating the group's gathered prompts together), a score
+            provider (the verifier) and the tokenizer that decodes completions.
         prompts, problems: the batch's prompt token ids and problems.
         sampling: the training sampling settings (temperature, max_tokens, stops).
         k: sampled completions per prompt for pass@k.
@@ -70,8 +72,8 @@ def evaluate(
         it = iter(flat)
         return [[next(it) == 1.0 for _ in group] for group in texts]
 
-    greedy = engine.generate(prompts, 1, replace(sampling, temperature=0.0, seed=seed))
-    sampled = engine.generate(prompts, k, replace(sampling, seed=seed))
+    greedy = generate(prompts, 1, replace(sampling, temperature=0.0, seed=seed))
+    sampled = generate(prompts, k, replace(sampling, seed=seed))
     lengths = [len(c.token_ids) for group in sampled for c in group]
     return {
         "greedy_accuracy": sum(g[0] for g in correct(greedy)) / len(prompts),

@@ -20,6 +20,7 @@ from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.engines.background import BackgroundEngine
 from composer_lightning.engines.base import EngineContext
+from composer_lightning.engines.fingerprint import FingerprintRecorder, fingerprint_mismatches
 from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.errors import ConfigError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
@@ -28,7 +29,7 @@ from composer_lightning.models.loading import load_causal_lm
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule, OutOfSyncError
 from composer_lightning.tasks import VerifierHint
-from tests.helpers import LostPushEngine
+from tests.helpers import BlindLostPushEngine, LostPushEngine
 from tests.test_cli import ROOT
 
 POLICY = tiny_policy_path()
@@ -37,10 +38,11 @@ POLICY = tiny_policy_path()
 def _version(v: int) -> list[tuple[str, torch.Tensor]]:
     """Weight version v: the tiny policy moved by a fixed random step per version."""
     g = torch.Generator().manual_seed(v)
-    return [
-        (n, t + 0.3 * v * torch.randn(t.shape, generator=g) * t.std())
-        for n, t in iter_hf_weights(load_causal_lm(POLICY))
-    ]
+    model = load_causal_lm(POLICY)
+    with torch.no_grad():
+        for t in model.parameters():  # tied weights once, and moved together
+            t.add_(0.3 * v * torch.randn(t.shape, generator=g) * t.std())
+    return [(n, t.clone()) for n, t in iter_hf_weights(model)]
 
 
 def test_batch_m_is_generated_by_exactly_version_m_minus_k():
@@ -59,8 +61,11 @@ def test_batch_m_is_generated_by_exactly_version_m_minus_k():
         for m in range(5):  # the trainer's loop: ask m … m + k, take m, train, publish m + 1
             for index in range(m, m + k + 1):
                 bg.ask(index, prompts, 3, sampling)
-            version, outs, seconds = bg.take(m)
+            version, outs, seconds, engine_print = bg.take(m)
             assert version == max(0, m - k) and seconds > 0
+            rec = FingerprintRecorder(versions[version], torch.float32)
+            list(rec)
+            assert fingerprint_mismatches(rec.fingerprint, engine_print) == ([], len(rec.fingerprint) - 1)
             got[m] = outs
             weights = bg.version_weights(version)
             assert weights is not None  # readable while batch m trains
@@ -139,19 +144,35 @@ def test_held_out_evaluation_runs_through_the_engine_process():
     assert "val/pass@4" in trainer.callback_metrics
 
 
+class Step(L.Callback):
+    """Records the steps done: stopped at step s, the last entry is s."""
+
+    def __init__(self):
+        self.steps = [0]
+
+    def on_train_batch_end(self, trainer, *args):
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("k,caught_at", [(0, 1), (1, 2)])
-def test_a_lost_push_is_stopped_at_the_next_step(k, caught_at):
+def test_a_lost_push_is_stopped_at_the_next_step_at_any_precision(k, caught_at, precision):
     """The engine claims every new version but keeps version 0's weights. On policy the first
-    batch sampled by the lost version is batch 1; with k = 1 it is batch 2. fp32, lr 1e-4."""
-    steps = []
+    batch sampled by the lost version is batch 1; with k = 1 it is batch 2. The weight
+    fingerprint stops it there in bf16 too, where the log-prob gap cannot (lr 1e-4)."""
+    dtype = {"32-true": "float32", "bf16-mixed": "bfloat16"}[precision]
+    step = Step()
+    with pytest.raises(OutOfSyncError, match="does not hold the weights of policy_version 1:"):
+        _fit(LostPushEngine(seed=0, dtype=dtype), k, 8, callbacks=[step], precision=precision)
+    assert step.steps[-1] == caught_at
 
-    class Step(L.Callback):
-        def on_train_batch_start(self, trainer, *args):
-            steps.append(trainer.global_step)
 
+@pytest.mark.parametrize("k,caught_at", [(0, 1), (1, 2)])
+def test_without_a_fingerprint_the_gap_stops_a_lost_push_in_fp32(k, caught_at):
+    step = Step()
     with pytest.raises(OutOfSyncError, match=r"policy_version 1\)") as err:
-        _fit(LostPushEngine(seed=0), k=k, steps=8, callbacks=[Step()])
-    assert steps[-1] == caught_at, err.value
+        _fit(BlindLostPushEngine(seed=0), k=k, steps=8, callbacks=[step])
+    assert step.steps[-1] == caught_at, err.value
     assert "max_logprob_gap=0.001" in str(err.value)  # the fp32 default
 
 
@@ -163,16 +184,22 @@ def test_no_false_stop_over_200_healthy_steps(k):
     assert worst < 1e-5, worst  # two orders below the 1e-3 default
 
 
-def test_overlap_needs_one_process():
+def test_overlap_refuses_an_engine_spanning_ranks():
     cb = RolloutCallback(HFEngine(model_path=POLICY), max_staleness=1)
     module = ComposerModule(POLICY, [DrGRPOHead()])
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     ctx = EngineContext(world_size=2, model_path=POLICY)
+    tp = mock.PropertyMock(return_value=2)
     with mock.patch.object(EngineContext, "current", return_value=ctx):
-        with pytest.raises(ConfigError, match="max_staleness=1 runs one trainer process"):
-            cb.setup(trainer, module, "fit")
+        with mock.patch.object(HFEngine, "tensor_parallel_size", tp):
+            with pytest.raises(ConfigError, match="tensor_parallel_size 2 spans ranks"):
+                cb.setup(trainer, module, "fit")
     with pytest.raises(ValueError, match="max_staleness must be an integer >= 0, got -1"):
         RolloutCallback(HFEngine(model_path=POLICY), max_staleness=-1)
+    with pytest.raises(ValueError, match="top_p=0.9, top_k=None"):
+        RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(top_p=0.9))
+    with pytest.raises(ValueError, match="top_p=1.0, top_k=5"):
+        RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(top_k=5))
 
 
 # --------------------------------------------------------------------------- kill -9, resume

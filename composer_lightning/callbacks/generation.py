@@ -10,6 +10,7 @@ from typing import Any
 from composer_lightning.distributed import world
 from composer_lightning.engines.background import BackgroundEngine
 from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
+from composer_lightning.engines.fingerprint import Fingerprint
 
 
 def sampling_seed(
@@ -32,6 +33,30 @@ def sampling_seed(
     return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
 
 
+def generate_in_group(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    n: int,
+    sampling: SamplingConfig,
+    tp_group: Any = None,
+) -> list[list[Completion]]:
+    """This rank's completions of `prompts`; with tensor parallelism the ranks of a group
+    generate their gathered prompts together (as TRL's colocate mode does; vLLM needs the same
+    requests on every rank of a group) and each keeps its own. The group samples with the
+    seed of its first rank."""
+    tp = engine.tensor_parallel_size
+    if tp == 1:
+        return engine.generate(prompts, n=n, sampling=sampling)
+    import torch.distributed as dist
+
+    parts: list[tuple[list[list[int]], int | None]] = [None] * tp  # type: ignore[list-item]
+    dist.all_gather_object(parts, (prompts, sampling.seed), group=tp_group)
+    offset = sum(len(p) for p, _ in parts[: world()[0] % tp])
+    everything = [p for part, _ in parts for p in part]
+    outs = engine.generate(everything, n=n, sampling=replace(sampling, seed=parts[0][1]))
+    return outs[offset : offset + len(prompts)]
+
+
 def generate_on_rank(
     engine: RolloutEngine,
     prompts: list[list[int]],
@@ -41,22 +66,13 @@ def generate_on_rank(
     group_size: int,
     tp_group: Any = None,
 ) -> list[list[Completion]]:
-    """This rank's completions of prompt batch `step`; with tensor parallelism the ranks of a
-    group generate their gathered prompts together (as TRL's colocate mode does) and keep
-    their own."""
+    """This rank's completions of prompt batch `step` (`generate_in_group`), seeded by
+    `sampling_seed`."""
     rank, size = world()
     tp = engine.tensor_parallel_size
-    mine = prompts
-    if tp > 1:
-        import torch.distributed as dist
-
-        parts: list[list[list[int]]] = [None] * tp  # type: ignore[list-item]
-        dist.all_gather_object(parts, prompts, group=tp_group)
-        offset = sum(len(p) for p in parts[: rank % tp])
-        prompts = [p for part in parts for p in part]
-    seed = sampling_seed(base_seed, step, rank, size, tp, len(prompts), group_size)
-    outs = engine.generate(prompts, n=group_size, sampling=replace(sampling, seed=seed))
-    return outs if tp == 1 else outs[offset : offset + len(mine)]
+    total = len(prompts) * tp  # every rank of a group holds as many prompts
+    seed = sampling_seed(base_seed, step, rank, size, tp, total, group_size)
+    return generate_in_group(engine, prompts, group_size, replace(sampling, seed=seed), tp_group)
 
 
 def generate_ahead(
@@ -66,12 +82,14 @@ def generate_ahead(
     sampling: SamplingConfig,
     base_seed: int,
     group_size: int,
-) -> tuple[int, list[list[Completion]], float]:
-    """Prompt batch `step` from the background engine (its version, completions and
-    generation seconds), after asking for `step + 1 … step + k`. Seeds are those of the
-    on-policy loop, so only the weights that generate a batch differ."""
+) -> tuple[int, list[list[Completion]], float, Fingerprint | None]:
+    """Prompt batch `step` from this rank's background engine (its version, completions,
+    generation seconds and the engine's fingerprint of that version), after asking for
+    `step + 1 … step + k`. Seeds are those of the on-policy loop, so only the weights that
+    generate a batch differ."""
+    rank, size = world()
     for index in range(step, step + background.k + 1):
         prompts = prompt_batch(index)
-        seed = sampling_seed(base_seed, index, 0, 1, 1, len(prompts), group_size)
+        seed = sampling_seed(base_seed, index, rank, size, 1, len(prompts), group_size)
         background.ask(index, prompts, group_size, replace(sampling, seed=seed))
     return background.take(step)
