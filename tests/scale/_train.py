@@ -2,20 +2,29 @@
 
     python tests/scale/_train.py {ddp|fsdp2|ddp_rollout|fsdp2_rollout|fsdp2_uneven|fsdp2_raise} OUT.pt
 
-`fsdp2_uneven`: rank 1 gets a constant reward and no hints (an empty replay buffer, no SDPO or
-OPD term, a placeholder teacher forward) while rank 0 gets the verifier's. `fsdp2_raise`: rank
-1's reward function always raises. A rank whose fit raises writes the one-line error to
-OUT.rank<r>.err and exits with status 3.
+`ddp` / `fsdp2` train on synthetic batches without gradient clipping (the gradients themselves
+are compared); the rollout kinds keep the module's defaults: clipping at `max_grad_norm=1.0`
+and the canary at `max_logprob_gap="auto"`. `fsdp2_uneven`: rank 1 gets a constant reward on
+every other sample, no score on the rest, and no hints (fewer samples than rank 0, an empty
+replay buffer, no SDPO or OPD term, a placeholder teacher forward) while rank 0 gets the
+verifier's. `fsdp2_raise`: rank 1's reward function raises from the second step on, and
+collectives time out after 120 s instead of 30 minutes, so a rank left waiting fails by itself.
+A rank whose fit raises writes `{"step": global step, "error": one line}` to OUT.rank<r>.err,
+waits until every rank has written its own, and exits with status 3.
 """
 
+import datetime
+import json
 import os
 import sys
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.canary import default_max_logprob_gap
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights
@@ -34,14 +43,19 @@ rollouts = kind.split("_")[-1] in ("rollout", "uneven", "raise")
 
 
 def rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank()
 
 
+calls = 0
+
+
 def reward(problem, completion):  # rank 1: a constant (no group has two different rewards)
-    if kind == "fsdp2_raise" and rank() == 1:
+    global calls
+    calls += 1
+    if kind == "fsdp2_raise" and rank() == 1 and calls > 8:  # 8 samples a step: from step 1
         raise RuntimeError("this reward function is broken on rank 1")
+    if kind == "fsdp2_uneven" and rank() == 1 and calls % 2:  # no score: the sample is dropped
+        raise RuntimeError("no score for this sample")
     return 0.5 if rank() == 1 else VerifierScore().score([problem], [completion])[0]
 
 
@@ -50,10 +64,12 @@ class RankHint(VerifierHint):
         return [None] * len(problems) if rank() == 1 else super().hints(problems, completions)
 
 
-strategy = {
-    "ddp": DDPStrategy(process_group_backend="gloo"),
-    "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-}[kind.split("_")[0]]
+# fsdp2_raise: a rank left waiting in a collective fails after 120 s, not 30 minutes
+timeout = {"timeout": datetime.timedelta(seconds=120)} if kind == "fsdp2_raise" else {}
+if kind.startswith("ddp"):
+    strategy = DDPStrategy(process_group_backend="gloo", **timeout)
+else:
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **timeout)
 heads = [
     DrGRPOHead(),
     OPDHead(weight=0.5),
@@ -78,14 +94,18 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            rb = batch["rollout"]
+            rb, metrics = batch["rollout"], trainer.callback_metrics
             seen.append(
                 {
                     "prompts": [p["messages"][0]["content"] for p in batch["problems"]],
                     "gap": float(trainer.callback_metrics["rollout/logprob_gap_max"]),
                     "rewards": rb.rewards[rb.has_reward].tolist(),
-                    "reward_mean": float(trainer.callback_metrics["rollout/reward_mean"]),
+                    "reward_mean": float(metrics["rollout/reward_mean"]),
                     "buffer": len(module.heads[4].buffer),
+                    "grad_norm": float(metrics["train/grad_norm"]),  # before the clip
+                    "max_gap": default_max_logprob_gap(
+                        trainer.precision, rb.extras.get("engine_dtype")
+                    ),
                 }
             )
 
@@ -97,8 +117,7 @@ module = ComposerModule(
     policy,
     heads,
     optimizer=lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3),
-    max_grad_norm=None,
-    max_logprob_gap=None,
+    **({} if rollouts else {"max_grad_norm": None}),
 )
 trainer = L.Trainer(
     accelerator="cpu",
@@ -115,7 +134,9 @@ try:
     trainer.fit(module, data)
 except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zero exit
     with open(f"{out}.rank{trainer.global_rank}.err", "w") as f:
-        f.write(f"{type(exc).__name__}: {exc}")
+        json.dump({"step": trainer.global_step, "error": f"{type(exc).__name__}: {exc}"}, f)
+    if dist.is_initialized():
+        dist.barrier()  # every rank's record is written before any rank exits
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(3)

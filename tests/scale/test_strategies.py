@@ -1,35 +1,53 @@
 """FSDP2 (ModelParallelStrategy + fully_shard in configure_model) equals DDP on CPU with gloo:
-two ranks, each its own rollout stream, gradients averaged across ranks."""
+two ranks, each its own rollout stream, gradients averaged across ranks (tests/scale/_train.py).
+Each 2-rank run is made once per module and shared by the tests that read it."""
 
+import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
+from composer_lightning.engines import iter_hf_weights
 from composer_lightning.models.factory import TinyLlama
+from composer_lightning.models.loading import load_causal_lm
+from composer_lightning.models.tiny import tiny_policy_path
 from tests.test_cli import ROOT
 
 
-def _train(kind: str, tmp_path) -> list[dict]:
-    out = tmp_path / f"{kind}.pt"
+def _run(kind: str, out, timeout: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "tests" / "scale" / "_train.py"), kind, str(out)],
-        cwd=tmp_path,
+        cwd=out.parent,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,  # a last resort: a hang fails first at the collective timeout
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(f"{out}.rank{r}") for r in (0, 1)]
 
 
-def test_fsdp2_matches_ddp_on_two_cpu_ranks(tmp_path):
-    ddp, fsdp = _train("ddp", tmp_path)[0], _train("fsdp2", tmp_path)[0]
+@pytest.fixture(scope="module")
+def train(tmp_path_factory):
+    """`train(kind)`: both ranks' saved records of one run of `kind`, made at most once."""
+    done: dict[str, list[dict]] = {}
+
+    def run(kind: str) -> list[dict]:
+        if kind not in done:
+            out = tmp_path_factory.mktemp(kind) / "run.pt"
+            proc = _run(kind, out, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[kind] = [torch.load(f"{out}.rank{r}") for r in (0, 1)]
+        return done[kind]
+
+    return run
+
+
+def test_fsdp2_matches_ddp_on_two_cpu_ranks(train):
+    """Synthetic batches, no clipping: the averaged gradients themselves are compared."""
+    ddp, fsdp = train("ddp")[0], train("fsdp2")[0]
     assert fsdp["sharded"] and not ddp["sharded"]
     init = dict(
         TinyLlama(
@@ -42,10 +60,36 @@ def test_fsdp2_matches_ddp_on_two_cpu_ranks(tmp_path):
     assert any(not torch.equal(w, init[n].detach()) for n, w in ddp["weights"].items())
 
 
-def test_fsdp2_rollouts_shard_prompts_and_keep_every_rank_engine_in_sync(tmp_path):
+def test_fsdp2_matches_ddp_with_the_default_clip_and_canary_on_rollouts(train):
+    """The rollout path with the module's defaults: every step's gradient norm (over the whole
+    model, both ranks' average) is above `max_grad_norm=1.0`, so the clip binds, and equals
+    DDP's; the canary gates at 1e-3 (fp32 trainer and engine) with a healthy gap. After three
+    SGD steps of size ≤ 1e-3 the updates agree to 1e-7 (fp32 rounding is ≈1e-8 here), while a
+    clip norm of each rank's shard alone would change them by tens of percent."""
+    ddp, fsdp = train("ddp_rollout"), train("fsdp2_rollout")
+    assert fsdp[0]["sharded"] and not ddp[0]["sharded"]
+    for d, f in zip(ddp, fsdp, strict=True):
+        assert len(d["seen"]) == len(f["seen"]) == 3
+        for a, b in zip(d["seen"], f["seen"], strict=True):
+            assert (a["prompts"], a["rewards"]) == (b["prompts"], b["rewards"])  # same data
+            assert a["grad_norm"] > 1.0 and b["grad_norm"] > 1.0
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+            assert a["max_gap"] == b["max_gap"] == 1e-3
+            assert a["gap"] < 1e-5 and b["gap"] < 1e-5
+    init = {n: t.detach().clone() for n, t in iter_hf_weights(load_causal_lm(tiny_policy_path()))}
+    assert ddp[0]["weights"].keys() == fsdp[0]["weights"].keys() == init.keys()
+    moved = 0.0
+    for name, w in ddp[0]["weights"].items():
+        step = w - init[name]
+        moved = max(moved, float(step.abs().max()))
+        torch.testing.assert_close(fsdp[0]["weights"][name] - init[name], step, rtol=0, atol=1e-7)
+    assert moved > 1e-5  # the tolerance is far below the update
+
+
+def test_fsdp2_rollouts_shard_prompts_and_keep_every_rank_engine_in_sync(train):
     """Two ranks, each with its own engine: different prompts per rank, the same weights after
     every step on both ranks, and each rank's engine in sync (canary gap ≈ 1e-6)."""
-    ranks = _train("fsdp2_rollout", tmp_path)
+    ranks = train("fsdp2_rollout")
     seen0, seen1 = ranks[0]["seen"], ranks[1]["seen"]
     assert len(seen0) == len(seen1) == 3
     for a, b in zip(seen0, seen1, strict=True):
@@ -55,16 +99,18 @@ def test_fsdp2_rollouts_shard_prompts_and_keep_every_rank_engine_in_sync(tmp_pat
         assert torch.equal(w, ranks[1]["weights"][name])
 
 
-def test_uneven_ranks_train_on_and_log_metrics_of_both_ranks(tmp_path):
-    """Rank 1 has a constant reward and no hints: an empty replay buffer, no SDPO or OPD term
-    and a placeholder teacher forward, while rank 0 has all of them; both train on, with the
-    same weights, and the logged reward mean is the mean over both ranks' samples."""
-    r0, r1 = (rank["seen"] for rank in _train("fsdp2_uneven", tmp_path))
+def test_uneven_ranks_train_on_and_log_metrics_of_both_ranks(train):
+    """Rank 1 scores every other sample (a constant) and has no hints: half its samples are
+    dropped, an empty replay buffer, no SDPO or OPD term and a placeholder teacher forward,
+    while rank 0 has all of them; both train on, with the same weights, and the logged reward
+    mean is the mean over both ranks' samples (rank 1 has fewer: a mean of the two ranks'
+    means would differ)."""
+    r0, r1 = (rank["seen"] for rank in train("fsdp2_uneven"))
     assert len(r0) == len(r1) == 3
     assert all(s["buffer"] == 0 for s in r1) and any(s["buffer"] > 0 for s in r0)
     for a, b in zip(r0, r1, strict=True):
         both = a["rewards"] + b["rewards"]
-        assert set(b["rewards"]) == {0.5}
+        assert set(b["rewards"]) == {0.5} and len(b["rewards"]) == len(a["rewards"]) // 2
         assert (
             a["reward_mean"] == b["reward_mean"] == pytest.approx(sum(both) / len(both), abs=1e-6)
         )
@@ -72,28 +118,17 @@ def test_uneven_ranks_train_on_and_log_metrics_of_both_ranks(tmp_path):
 
 
 def test_an_error_on_one_rank_stops_both_in_the_same_step(tmp_path):
-    """A reward function that raises only on rank 1: both ranks raise the same one-line error
-    in the same step and exit non-zero, instead of rank 0 waiting for a collective timeout."""
+    """A reward function that raises on rank 1 from the second step on: both ranks raise the
+    same one-line error at global step 1 and exit non-zero, instead of rank 0 waiting in a
+    collective. The run's collectives time out after 120 s, so a rank left waiting fails the
+    run by itself; each rank writes its record before either exits."""
     out = tmp_path / "raise.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scale" / "_train.py"), "fsdp2_raise", str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = _run("fsdp2_raise", out, timeout=900)
     assert proc.returncode != 0
-    deadline = time.monotonic() + 10
-    while (
-        not all(os.path.exists(f"{out}.rank{r}.err") for r in (0, 1))
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-    assert time.monotonic() - start < 60
-    errors = [open(f"{out}.rank{r}.err").read() for r in (0, 1)]
-    assert errors[0] == errors[1]
-    assert errors[0].startswith("RankError: rank 1: ScoringError: all 8 score calls")
-    assert "\n" not in errors[0]
+    missing = [r for r in (0, 1) if not os.path.exists(f"{out}.rank{r}.err")]
+    assert not missing, f"ranks {missing} did not stop with an error:\n{proc.stderr[-3000:]}"
+    records = [json.loads(open(f"{out}.rank{r}.err").read()) for r in (0, 1)]
+    assert records[0] == records[1]
+    assert records[0]["step"] == 1
+    assert records[0]["error"].startswith("RankError: rank 1: ScoringError: all 8 score calls")
+    assert "\n" not in records[0]["error"]
