@@ -179,3 +179,25 @@ class HangingEngine(HFEngine):
         if self.marker is not None:
             open(self.marker, "w").close()
         time.sleep(3600)
+
+
+class SignalAt(L.Callback):
+    """Sends its own process `signum` (SIGTERM by default, as a scheduler does) when step
+    `step` starts; Lightning stops at the end of that step."""
+
+    def __init__(self, step: int, signum: int = 15):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            import os
+
+            os.kill(os.getpid(), self.signum)
+
+
+class PrintStaleness(L.Callback):
+    """Prints `STALENESS <step> <staleness>` after every step (for CLI runs in tests)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        value = trainer.callback_metrics.get("rollout/staleness")
+        print(f"STALENESS {trainer.global_step - 1} {int(value)}", file=sys.stderr, flush=True)
