@@ -35,7 +35,7 @@ from composer_lightning.models.loading import (
     load_causal_lm,
     reference_model,
 )
-from composer_lightning.models.sharding import shard_fsdp2
+from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.step import RolloutTargets, StepContext
 from composer_lightning.steplog import log_step
@@ -143,10 +143,11 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`)."""
+        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`); a
+        tensor-parallel mesh dimension is refused (`models.sharding.data_parallel_mesh`)."""
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not getattr(self, "_fully_sharded", False):
-            shard_fsdp2(self.policy, mesh["data_parallel"], str(self.trainer.precision))
+            shard_fsdp2(self.policy, data_parallel_mesh(mesh), str(self.trainer.precision))
             self._fully_sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
