@@ -25,6 +25,7 @@ from composer_lightning.checkpoint import (
     check_loop_settings,
     load_state,
     save_state,
+    set_rng_state,
 )
 from composer_lightning.distributed import StepMetrics, agree, full
 from composer_lightning.forward import rollout_targets, step_context
@@ -135,6 +136,7 @@ class ComposerModule(L.LightningModule):
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
         self.max_grad_norm, self.max_logprob_gap = max_grad_norm, max_logprob_gap
         self.policy_version = 0
+        self._restored_rng: dict[str, Any] | None = None
         self.val_metrics = nn.ModuleDict()  # `val/...` means, filled by validation_step
 
     @property
@@ -248,7 +250,16 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["composer"] = save_state(self.policy_version, self.heads)
+        checkpoint["composer"] = save_state(self.policy_version, self.heads)  # a collective
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.policy_version = load_state(checkpoint.get("composer", {}), self.heads)
+        state = checkpoint.get("composer", {})
+        self.policy_version, self._restored_rng = load_state(state, self.heads)
+        set_rng_state(self._restored_rng)
+
+    def on_train_start(self) -> None:
+        # Lightning restores a checkpoint before the strategy's setup and the train loader's
+        # iterator, which draw from the global RNGs: set them again, so that the first step
+        # after a resume draws what the uninterrupted run drew.
+        set_rng_state(self._restored_rng)
+        self._restored_rng = None
