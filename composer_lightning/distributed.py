@@ -21,6 +21,8 @@ from typing import Literal
 import torch.distributed as dist
 from torch import Tensor
 
+from composer_lightning.errors import ConfigError
+
 Kind = Literal["mean", "sum", "max"]
 
 
@@ -127,11 +129,11 @@ def own(saved: list[object]) -> object:
     """This rank's entry of a `per_rank` list saved in a checkpoint.
 
     Raises:
-        ValueError: the checkpoint was written by a different number of ranks.
+        ConfigError: (a ValueError) the checkpoint was written by a different number of ranks.
     """
     rank, size = world()
     if len(saved) != size:
-        raise ValueError(
+        raise ConfigError(
             f"the checkpoint holds per-rank state of {len(saved)} ranks, this run has {size}: "
             "resume with the same number of ranks"
         )

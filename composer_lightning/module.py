@@ -31,6 +31,7 @@ from composer_lightning.checkpoint import (
     check_loop_settings,
     load_state,
     save_state,
+    set_rng_state,
 )
 from composer_lightning.distributed import StepMetrics, agree, full
 from composer_lightning.forward import rollout_targets, step_context
@@ -41,7 +42,7 @@ from composer_lightning.models.loading import (
     load_causal_lm,
     reference_model,
 )
-from composer_lightning.models.sharding import shard_fsdp2
+from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.step import RolloutTargets, StepContext
 from composer_lightning.steplog import log_step
@@ -141,6 +142,7 @@ class ComposerModule(L.LightningModule):
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
         self.max_grad_norm, self.max_logprob_gap = max_grad_norm, max_logprob_gap
         self.policy_version = 0
+        self._restored_rng: dict[str, Any] | None = None
         self.val_metrics = nn.ModuleDict()  # `val/...` means, filled by validation_step
 
     @property
@@ -149,10 +151,11 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`)."""
+        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`); a
+        tensor-parallel mesh dimension is refused (`models.sharding.data_parallel_mesh`)."""
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not getattr(self, "_fully_sharded", False):
-            shard_fsdp2(self.policy, mesh["data_parallel"], str(self.trainer.precision))
+            shard_fsdp2(self.policy, data_parallel_mesh(mesh), str(self.trainer.precision))
             self._fully_sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -261,7 +264,16 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["composer"] = save_state(self.policy_version, self.heads)
+        checkpoint["composer"] = save_state(self.policy_version, self.heads)  # a collective
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.policy_version = load_state(checkpoint.get("composer", {}), self.heads)
+        state = checkpoint.get("composer", {})
+        self.policy_version, self._restored_rng = load_state(state, self.heads)
+        set_rng_state(self._restored_rng)
+
+    def on_train_start(self) -> None:
+        # Lightning restores a checkpoint before the strategy's setup and the train loader's
+        # iterator, which draw from the global RNGs: set them again, so that the first step
+        # after a resume draws what the uninterrupted run drew.
+        set_rng_state(self._restored_rng)
+        self._restored_rng = None

@@ -7,6 +7,28 @@ import warnings
 import torch
 from torch import nn
 
+from composer_lightning.errors import ConfigError
+
+
+def data_parallel_mesh(mesh: object) -> object:
+    """The `data_parallel` dimension of a `ModelParallelStrategy` mesh: FSDP2 shards over it.
+
+    Raises:
+        ConfigError: the mesh has a `tensor_parallel` dimension of size > 1. The policy is not
+            tensor-parallelised, so the ranks along it would hold copies whose gradients are
+            never synced.
+    """
+    tp = mesh["tensor_parallel"].size() if "tensor_parallel" in (mesh.mesh_dim_names or ()) else 1
+    if tp > 1:
+        raise ConfigError(
+            f"ModelParallelStrategy(tensor_parallel_size={tp}) is not supported: the policy is "
+            "sharded with FSDP2 over data_parallel only, so tensor-parallel copies would never "
+            "sync their gradients; set data_parallel_size to the number of processes and "
+            "tensor_parallel_size=1, and parallelise the engine instead with vLLM's "
+            "tensor_parallel_size (the engine's llm_kwargs)"
+        )
+    return mesh["data_parallel"]
+
 
 def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
     """`fully_shard` each decoder layer, then the root, over the data-parallel mesh.

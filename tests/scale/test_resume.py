@@ -1,0 +1,105 @@
+"""Two FSDP2 ranks resume exactly: a run SIGKILLed with all its ranks after a periodic
+checkpoint and resumed from it ends where the uninterrupted run ends, on every rank (its own
+replay buffer and RNG states, not rank 0's); and tensor parallelism of the trainer is refused
+before any step (tests/scale/_resume.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from tests.test_cli import ROOT
+
+SCRIPT = str(ROOT / "tests" / "scale" / "_resume.py")
+
+
+def _run(kind: str, root, *extra: str) -> tuple[int, str]:
+    """Run `_resume.py` in its own session; afterwards no process of that session is left."""
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, kind, str(root / "out.pt"), *extra],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    finally:  # a hang fails here, by the timeout, and takes rank 1 with it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    _wait_gone(proc.pid)
+    return proc.returncode, stderr
+
+
+def _wait_gone(pgid: int) -> None:
+    """Fails unless every process of group `pgid` is dead (a zombie waiting for init counts as
+    dead); polls for at most ~10 s while SIGKILL is delivered."""
+    for _ in range(100):
+        ps = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,args="], capture_output=True)
+        rows = [line.split(None, 3) for line in ps.stdout.decode().splitlines()]
+        live = [r for r in rows if r[0] == str(pgid) and not r[2].startswith("Z")]
+        if not live:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes left behind: {live}")
+
+
+def _ranks(root) -> list[dict]:
+    return [torch.load(f"{root / 'out.pt'}.rank{r}", weights_only=False) for r in (0, 1)]
+
+
+def _equal_buffers(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(tmp_path):
+    rc, err = _run("whole", tmp_path / "whole")
+    assert rc == 0, err[-3000:]
+    whole = _ranks(tmp_path / "whole")
+    assert not _equal_buffers(whole[0]["buffer"], whole[1]["buffer"])  # else this proves nothing
+    assert whole[0]["buffer"] and whole[1]["buffer"]
+
+    rc, err = _run("killed", tmp_path / "killed")
+    assert rc == -signal.SIGKILL, err[-3000:]
+    ckpt = tmp_path / "killed" / "checkpoints" / "step=2.ckpt"
+    assert ckpt.is_dir() and not (tmp_path / "killed" / "checkpoints" / "step=4.ckpt").exists()
+
+    rc, err = _run("resumed", tmp_path / "resumed", str(ckpt))
+    assert rc == 0, err[-3000:]
+    resumed = _ranks(tmp_path / "resumed")
+    for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
+        assert a["global_step"] == b["global_step"] == 4
+        assert sorted(b["steps"]) == [3, 4]  # the killed run's step 3 is done again
+        for step in (3, 4):
+            want, got = a["steps"][step], b["steps"][step]
+            assert got["prompts"] == want["prompts"], (rank, step)  # the stream position
+            assert torch.equal(got["torch"], want["torch"]), (rank, step)
+            assert got["python"] == want["python"], (rank, step)
+        assert _equal_buffers(b["buffer"], a["buffer"]), rank
+        for name, w in a["weights"].items():
+            assert torch.equal(b["weights"][name], w), (rank, name)
+
+
+def test_tensor_parallelism_of_the_trainer_is_refused_on_every_rank(tmp_path):
+    rc, err = _run("tp2", tmp_path)
+    assert rc != 0, err[-3000:]
+    errors = [(tmp_path / f"out.pt.rank{r}.err").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("ConfigError: ModelParallelStrategy(tensor_parallel_size=2)")
+    assert "data_parallel_size" in errors[0] and "vLLM" in errors[0]
+    assert "\n" not in errors[0]
