@@ -4,16 +4,11 @@ at the next step, with or without overlap), and an exact resume after kill -9.""
 
 from __future__ import annotations
 
-import glob
-import os
-import subprocess
-import sys
 from unittest import mock
 
 import lightning as L
 import pytest
 import torch
-import yaml
 
 from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
@@ -30,7 +25,6 @@ from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule, OutOfSyncError
 from composer_lightning.tasks import VerifierHint
 from tests.helpers import BlindLostPushEngine, LostPushEngine
-from tests.test_cli import ROOT
 
 POLICY = tiny_policy_path()
 
@@ -65,7 +59,10 @@ def test_batch_m_is_generated_by_exactly_version_m_minus_k():
             assert version == max(0, m - k) and seconds > 0
             rec = FingerprintRecorder(versions[version], torch.float32)
             list(rec)
-            assert fingerprint_mismatches(rec.fingerprint, engine_print) == ([], len(rec.fingerprint) - 1)
+            assert fingerprint_mismatches(rec.fingerprint, engine_print) == (
+                [],
+                len(rec.fingerprint) - 1,
+            )
             got[m] = outs
             weights = bg.version_weights(version)
             assert weights is not None  # readable while batch m trains
