@@ -1,12 +1,13 @@
 """Two FSDP2 ranks on the real rollout path, checkpointed every 2 steps; every rank saves what
 it ended with (tests/scale/test_resume.py).
 
-    python tests/scale/_resume.py {whole|killed|resumed|tp2} OUT [CKPT]
+    MAX_STALENESS=k python tests/scale/_resume.py {whole|killed|resumed|tp2} OUT [CKPT]
 
 `whole` runs STEPS steps; `killed` is the same run, SIGKILLed with all its ranks at the start of
 step KILL_AT (after the step-2 checkpoint); `resumed` resumes from CKPT and runs to STEPS.
 `tp2` asks for tensor_parallel_size=2: each rank writes its one-line error to OUT.rank<r>.err
-and exits with status 3. Start it in a new session: `killed` kills its process group (both
+and exits with status 3. With MAX_STALENESS=k > 0 every rank generates k batches ahead in an
+engine process of its own. Start it in a new session: `killed` kills its process group (both
 ranks; Lightning starts rank 1 as a child of rank 0), so no rank is left waiting in a
 collective.
 
@@ -37,10 +38,7 @@ from composer_lightning.module import ComposerModule
 from composer_lightning.tasks import VerifierHint
 
 STEPS, KILL_AT = 4, 3
-kind, out = sys.argv[1], sys.argv[2]
-ckpt = sys.argv[3] if kind == "resumed" else None
-torch.manual_seed(0)
-random.seed(0)
+MAX_STALENESS = int(os.environ.get("MAX_STALENESS", "0"))  # generation ahead by this many
 # the weights saved are those after the step's update, which is what resuming needs
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
@@ -53,7 +51,10 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         n = trainer.global_rank + 1
+        seen = trainer.callback_metrics
         self.steps[trainer.global_step] = {
+            "staleness": float(seen["rollout/staleness"]),
+            "gap": float(seen.get("rollout/logprob_gap_max", float("nan"))),
             "prompts": [p["messages"][0]["content"] for p in batch["problems"]],
             "torch": torch.rand(n),
             "python": [random.random() for _ in range(n)],
@@ -72,64 +73,71 @@ class KillAll(L.Callback):
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-record = Record()
-callbacks = [
-    RolloutCallback(
-        HFEngine(seed=0),
-        group_size=4,
-        sampling=SamplingConfig(max_tokens=6, seed=0),
-        hint=VerifierHint(),
-        samples_every_n_steps=0,
-    ),
-    record,
-    ModelCheckpoint(
-        dirpath=os.path.join(os.path.dirname(out), "checkpoints"),
-        filename="{step}",
-        every_n_train_steps=2,
-        save_top_k=-1,
-    ),
-]
-if kind == "killed":
-    callbacks.append(KillAll(KILL_AT))
-module = ComposerModule(
-    tiny_policy_path(),
-    [DrGRPOHead(), OPDHead(weight=0.5), ReplayDPOHead(weight=0.5, pairs_per_step=2)],
-    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-    max_logprob_gap=None,
-)
-trainer = L.Trainer(
-    accelerator="cpu",
-    devices=2,
-    strategy=ModelParallelStrategy(
-        data_parallel_size=1 if kind == "tp2" else 2,
-        tensor_parallel_size=2 if kind == "tp2" else 1,
-        timeout=timedelta(seconds=60),  # a rank left alone fails in a minute, not 30
-    ),
-    max_steps=STEPS,
-    logger=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    limit_val_batches=0,
-    callbacks=callbacks,
-)
-try:
-    trainer.fit(module, RolloutDataModule(prompts_per_step=2), ckpt_path=ckpt)
-except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zero exit
-    with open(f"{out}.rank{trainer.global_rank}.err", "w") as f:
-        f.write(f"{type(exc).__name__}: {exc}")
+def main(kind: str, out: str, ckpt: str | None) -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    record = Record()
+    callbacks = [
+        RolloutCallback(
+            HFEngine(seed=0),
+            group_size=4,
+            sampling=SamplingConfig(max_tokens=6, seed=0),
+            hint=VerifierHint(),
+            samples_every_n_steps=0,
+            max_staleness=MAX_STALENESS,
+        ),
+        record,
+        ModelCheckpoint(
+            dirpath=os.path.join(os.path.dirname(out), "checkpoints"),
+            filename="{step}",
+            every_n_train_steps=2,
+            save_top_k=-1,
+        ),
+    ]
+    if kind == "killed":
+        callbacks.append(KillAll(KILL_AT))
+    module = ComposerModule(
+        tiny_policy_path(),
+        [DrGRPOHead(), OPDHead(weight=0.5), ReplayDPOHead(weight=0.5, pairs_per_step=2)],
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=1 if kind == "tp2" else 2,
+            tensor_parallel_size=2 if kind == "tp2" else 1,
+            timeout=timedelta(seconds=60),  # a rank left alone fails in a minute, not 30
+        ),
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    try:
+        trainer.fit(module, RolloutDataModule(prompts_per_step=2), ckpt_path=ckpt)
+    except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zero exit
+        with open(f"{out}.rank{trainer.global_rank}.err", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
+    weights = {n: t.clone() for n, t in iter_hf_weights(module.policy)}  # a collective: every rank
+    result = {
+        "global_step": trainer.global_step,
+        "weights": weights,
+        "buffer": module.heads[-1].buffer,
+        "steps": record.steps,
+    }
+    torch.save(result, f"{out}.rank{trainer.global_rank}")
+    trainer.strategy.barrier()
+    # Skip interpreter teardown on every rank: gloo's threads can abort it after the work is done.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(3)
-weights = {n: t.clone() for n, t in iter_hf_weights(module.policy)}  # a collective: every rank
-result = {
-    "global_step": trainer.global_step,
-    "weights": weights,
-    "buffer": module.heads[-1].buffer,
-    "steps": record.steps,
-}
-torch.save(result, f"{out}.rank{trainer.global_rank}")
-trainer.strategy.barrier()
-# Skip interpreter teardown on every rank: gloo's threads can abort it after the work is done.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+    os._exit(0)
+
+
+if __name__ == "__main__":  # engine processes (spawned) import this file without running it
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if sys.argv[1] == "resumed" else None)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests.test_cli import ROOT
@@ -18,10 +19,11 @@ from tests.test_cli import ROOT
 SCRIPT = str(ROOT / "tests" / "scale" / "_resume.py")
 
 
-def _run(kind: str, root, *extra: str) -> tuple[int, str]:
-    """Run `_resume.py` in its own session; afterwards no process of that session is left."""
+def _run(kind: str, root, *extra: str, k: int = 0) -> tuple[int, str]:
+    """Run `_resume.py` in its own session; afterwards no process of that session is left (its
+    engine processes included)."""
     root.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MAX_STALENESS=str(k))
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, kind, str(root / "out.pt"), *extra],
         cwd=root,
@@ -67,19 +69,26 @@ def _equal_buffers(a: list[dict], b: list[dict]) -> bool:
     )
 
 
-def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(tmp_path):
-    rc, err = _run("whole", tmp_path / "whole")
+@pytest.mark.parametrize("k", [0, 1])
+def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, tmp_path):
+    """k = 1: each rank generates one batch ahead in its own engine process; batches 1 … 4 are
+    one version stale, checked by the canary at their version (through FSDP2's forward), and
+    the batch generated ahead is in each rank's checkpoint."""
+    rc, err = _run("whole", tmp_path / "whole", k=k)
     assert rc == 0, err[-3000:]
     whole = _ranks(tmp_path / "whole")
+    for rank in whole:
+        assert [rank["steps"][s]["staleness"] for s in (1, 2, 3, 4)] == [0] + [k] * 3
+        assert max(rank["steps"][s]["gap"] for s in (1, 2, 3, 4)) < 1e-5
     assert not _equal_buffers(whole[0]["buffer"], whole[1]["buffer"])  # else this proves nothing
     assert whole[0]["buffer"] and whole[1]["buffer"]
 
-    rc, err = _run("killed", tmp_path / "killed")
+    rc, err = _run("killed", tmp_path / "killed", k=k)
     assert rc == -signal.SIGKILL, err[-3000:]
     ckpt = tmp_path / "killed" / "checkpoints" / "step=2.ckpt"
     assert ckpt.is_dir() and not (tmp_path / "killed" / "checkpoints" / "step=4.ckpt").exists()
 
-    rc, err = _run("resumed", tmp_path / "resumed", str(ckpt))
+    rc, err = _run("resumed", tmp_path / "resumed", str(ckpt), k=k)
     assert rc == 0, err[-3000:]
     resumed = _ranks(tmp_path / "resumed")
     for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
