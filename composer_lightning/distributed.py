@@ -125,6 +125,13 @@ def per_rank(obj: object) -> list[object]:
     return gathered
 
 
+def shared_seed() -> int:
+    """A fresh random seed, the same on every rank (rank 0's draw); call on every rank."""
+    import os
+
+    return int(per_rank(int.from_bytes(os.urandom(6), "little"))[0])
+
+
 def own(saved: list[object]) -> object:
     """This rank's entry of a `per_rank` list saved in a checkpoint.
 

@@ -83,7 +83,6 @@ def test_unstamped_batches_are_checked_as_on_policy_and_skipped_figures_are_drop
     no engine log-probs: that step compares nothing, and batch 1's figures are not shown as
     its own."""
     torch.manual_seed(0)
-    model = tiny_model(torch.float32)
     batches = [_batch(), _batch(), _batch()]
     module, _ = _fit(batches[:1], max_logprob_gap=None)
     batches[1].engine_logprobs = _engine_logprobs(batches[1], module.policy, 0.5)

@@ -110,6 +110,7 @@ def fsdp2_runs(tmp_path_factory) -> dict[int, dict[str, list[float]]]:
             "--config",
             str(ROOT / "configs" / "tiny_cpu_fsdp2.yaml"),
             "--trainer.max_steps=3",
+            "--trainer.val_check_interval=3",
             f"--trainer.default_root_dir={out_dir}",
             f"--trainer.logger.init_args.save_dir={out_dir}",
             f"--rollout.engine.init_args.llm_kwargs={{tensor_parallel_size: {tp}}}",
@@ -140,12 +141,15 @@ def test_two_rank_fsdp2_main_job_keeps_every_rank_engine_in_sync(fsdp2_runs):
 
 def test_tensor_parallel_groups_generate_together_and_keep_their_own_samples(fsdp2_runs):
     """vLLM tp = 2: both ranks feed one engine their gathered prompts and keep their own
-    prompts' samples. Seeds depend on (step, rank, prompt, sample) alone, so the rollouts, and
-    with them the whole run, equal the tp = 1 run's."""
+    prompts' samples, in training and in held-out evaluation. Seeds depend on (step, rank,
+    prompt, sample) alone, so the rollouts, and with them the whole run and its evaluation,
+    equal the tp = 1 run's."""
     one, two = fsdp2_runs[1], fsdp2_runs[2]
     assert max(two["rollout/logprob_gap_worst_rank"]) < 1e-5
     for tag in ("rollout/reward_mean", "dispatch/opd_rl", "rollout/response_length_mean"):
         assert two[tag] == one[tag], tag
+    for tag in ("val/greedy_accuracy", "val/pass@4", "val/response_length"):
+        assert len(two[tag]) == 1 and two[tag] == one[tag], tag
 
 
 def test_held_out_validation_during_fit_and_validate_from_a_checkpoint(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from composer_lightning.distributed import RankError, StepMetrics, agree
+from composer_lightning.distributed import RankError, StepMetrics, agree, own, per_rank, shared_seed
 
 # What each rank logs: rank 0 has 4 rewarded samples of mean 0.75, rank 1 has 12 of mean 0.
 PER_RANK = [
@@ -55,7 +55,13 @@ def _rank(rank: int, store: str, results: dict) -> None:
         raised = None
     except RankError as exc:
         raised = str(exc)
-    results[rank] = {"reduced": reduced, "raised": raised}
+    results[rank] = {
+        "reduced": reduced,
+        "raised": raised,
+        "seed": shared_seed(),
+        "per_rank": per_rank({"rank": rank}),
+        "own": own([f"state of {r}" for r in range(2)]),
+    }
     dist.barrier()
     dist.destroy_process_group()
 
@@ -71,6 +77,9 @@ def test_agree_reduces_by_kind_and_raises_one_rank_error_on_both(tmp_path):
         for name, want in EXPECTED.items():
             assert reduced[name] == pytest.approx(want, rel=0, abs=1e-15), (rank, name)
         assert results[rank]["raised"] == "rank 1: ValueError: bad batch"
+        assert results[rank]["per_rank"] == [{"rank": 0}, {"rank": 1}]
+        assert results[rank]["own"] == f"state of {rank}"
+    assert results[0]["seed"] == results[1]["seed"]  # one draw: a TP group samples alike
 
 
 def test_one_process_returns_its_own_values_and_reraises_its_error():

@@ -197,3 +197,21 @@ def test_overlap_refuses_an_engine_spanning_ranks():
         RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(top_p=0.9))
     with pytest.raises(ValueError, match="top_p=1.0, top_k=5"):
         RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(top_k=5))
+
+
+def test_a_drawn_sampling_seed_is_saved_and_restored():
+    """Without a configured seed the run's seed is drawn once (rank 0's draw on every rank) and
+    checkpointed, so a resumed run samples as the interrupted one would have."""
+    module = ComposerModule(POLICY, [DrGRPOHead()])
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    drawn = RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(seed=None))
+    drawn.setup(trainer, module, "fit")
+    state = drawn.state_dict()
+    assert isinstance(state["base_seed"], int)
+    resumed = RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(seed=None))
+    resumed.setup(trainer, module, "fit")  # draws its own, then the checkpoint's wins
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["base_seed"] == state["base_seed"]
+    fixed = RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(seed=7))
+    fixed.load_state_dict(state)  # a configured seed is the configuration's
+    assert fixed.state_dict()["base_seed"] == 7

@@ -19,7 +19,6 @@ batch with the trainer's (`engines/fingerprint.py`), exactly.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from typing import Any, Literal
@@ -33,11 +32,19 @@ from composer_lightning.callbacks.generation import (
     generate_ahead,
     generate_in_group,
     generate_on_rank,
+    sampling_seed,
 )
 from composer_lightning.callbacks.samples import write_samples
 from composer_lightning.canary import check_fingerprint, version_logprobs
 from composer_lightning.dispatch import build_rollout
-from composer_lightning.distributed import StepMetrics, agree, own, per_rank
+from composer_lightning.distributed import (
+    StepMetrics,
+    agree,
+    own,
+    per_rank,
+    shared_seed,
+    world,
+)
 from composer_lightning.engines.background import BackgroundEngine
 from composer_lightning.engines.base import EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.engines.fingerprint import Fingerprint, FingerprintRecorder
@@ -157,7 +164,7 @@ class RolloutCallback(L.Callback):
                 f"tensor_parallel_size {tp} does not divide the world size {context.world_size}"
             )
         if self._base_seed is None:  # drawn once, by rank 0: every rank samples from it
-            self._base_seed = int(per_rank(int.from_bytes(os.urandom(6), "little"))[0])
+            self._base_seed = shared_seed()
         if self.max_staleness:
             if tp > 1:
                 raise ConfigError(
@@ -291,8 +298,14 @@ class RolloutCallback(L.Callback):
         """Greedy and sampled completions of the held-out prompts: the batch's figures."""
         tokenizer = trainer.datamodule.tokenizer
         sampling = self._sampling(tokenizer)
-        seed = self._base_seed + 10**9 + batch_idx * len(batch["prompt_ids"]) * self.val_samples
         engine = self._background or self.engine
+        rank, size = world()
+        tp = engine.tensor_parallel_size
+        prompts = len(batch["prompt_ids"]) * tp  # a group's gathered prompts
+        # the training seeds' scheme, shifted: any tensor parallelism samples alike
+        seed = sampling_seed(
+            self._base_seed + 10**9, batch_idx, rank, size, tp, prompts, self.val_samples
+        )
         batch["val"] = evaluate(
             lambda prompts, n, sampling: generate_in_group(
                 engine, prompts, n, sampling, self._tp_group
