@@ -215,3 +215,20 @@ def test_a_drawn_sampling_seed_is_saved_and_restored():
     fixed = RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(seed=7))
     fixed.load_state_dict(state)  # a configured seed is the configuration's
     assert fixed.state_dict()["base_seed"] == 7
+
+
+def test_overlap_under_model_parallel_strategy_on_one_device():
+    """The GPU config's strategy (FSDP2 through ModelParallelStrategy), here on one CPU device:
+    stale batches are checked at their version through the sharded policy's own forward (its
+    parameters are DTensors); the run equals the unsharded one."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    module, rows, _ = _fit(HFEngine(seed=0), k=1, steps=4, lr=1e-3, strategy=strategy)
+    assert all(hasattr(p, "full_tensor") for p in module.policy.parameters())
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert max(r["rollout/logprob_gap_max"] for r in rows) < 1e-5
+    plain, _, _ = _fit(HFEngine(seed=0), k=1, steps=4, lr=1e-3)  # the same run, unsharded
+    sharded = dict(iter_hf_weights(module.policy))
+    for name, w in iter_hf_weights(plain.policy):
+        torch.testing.assert_close(sharded[name], w, rtol=0, atol=1e-6, msg=name)
