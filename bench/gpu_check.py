@@ -1,6 +1,7 @@
 """One-shot GPU check of the real path: vLLM engine + FSDP2 + all heads + push + canary, on ONE GPU.
 
     python bench/gpu_check.py [--steps 5] [--time-limit 420]    # on a GPU machine
+    python bench/gpu_check.py --max-staleness 1                 # generation ahead, on a GPU
     python bench/gpu_check.py --smoke                           # the same path, tiny, on CPU
 
 The GPU run is `configs/qwen05b_gpu_fsdp.yaml`'s path built in Python (no jsonargparse
@@ -151,6 +152,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--time-limit", type=float, default=420.0, help="seconds before the watchdog")
+    ap.add_argument(
+        "--max-staleness", type=int, default=0, help="k > 0: the engine generates ahead"
+    )
     args = ap.parse_args()
     args.start = time.monotonic()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -213,12 +217,17 @@ def main() -> None:
                     group_size=G,
                     hint=VerifierHint(),
                     sampling=SamplingConfig(max_tokens=max_tokens, seed=0),
+                    max_staleness=args.max_staleness,
                 ),
                 rep,
             ],
         )
         trainer.fit(module, RolloutDataModule(task="arithmetic", prompts_per_step=P))
         out = report_of(rep, args, state["params"], state["engine"], cuda)
+        seen = trainer.callback_metrics
+        out["max_staleness"] = args.max_staleness
+        # parameters whose engine-side fingerprint matched the trainer's (all of them on GPUs)
+        out["fingerprint_params"] = float(seen.get("rollout/fingerprint_params", 0.0))
         out["fsdp2_sharded"] = all(hasattr(p, "full_tensor") for p in module.policy.parameters())
         out["loss_finite"] = bool(
             torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"])))

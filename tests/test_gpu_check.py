@@ -11,7 +11,15 @@ from tests.test_cli import ROOT
 
 def test_gpu_check_smoke_on_cpu():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--steps", "3"],
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--smoke",
+            "--steps",
+            "3",
+            "--max-staleness",
+            "1",  # the overlapped path: vLLM in its own process, canary through FSDP2
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -22,3 +30,4 @@ def test_gpu_check_smoke_on_cpu():
     assert report["engine"].startswith("vllm 0.32")
     assert report["fsdp2_sharded"] and report["loss_finite"] and report["steps_done"] == 3
     assert max(report["logprob_gap_mean_per_step"]) < 1e-5
+    assert report["max_staleness"] == 1 and report["fingerprint_params"] > 0

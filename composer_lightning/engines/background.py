@@ -85,9 +85,6 @@ def _serve(
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():  # died before the prctl took effect
         return
-    # Unread results must not keep this process alive at exit (the queue's feeder thread
-    # would block on a full pipe nobody reads any more).
-    results.cancel_join_thread()
     for name in _LAUNCHER_ENV:  # the engine runs alone here, not in the trainer's group
         os.environ.pop(name, None)
     torch.set_num_threads(threads)
@@ -105,9 +102,13 @@ def _serve(
                 message = requests.get(timeout=1.0)
             except queue.Empty:
                 if parent is not None and not parent.is_alive():
+                    results.cancel_join_thread()
                     return
                 continue
             if message is None:
+                # Unread results must not keep this process alive at exit (the queue's feeder
+                # thread would block on a full pipe nobody reads any more).
+                results.cancel_join_thread()
                 return
             if message[0] == "publish":
                 slots[message[1] % len(ring)] = message[1]
@@ -127,8 +128,10 @@ def _serve(
             start = time.perf_counter()
             outs = engine.generate(prompts, n, sampling)
             results.put((key, version, outs, time.perf_counter() - start, fingerprint))
-    except BaseException:  # reported to the trainer, which raises it
+    except BaseException:  # reported to the trainer, which raises it: flushed before exit
         results.put(("error", -1, traceback.format_exc(), 0.0, None))
+        results.close()
+        results.join_thread()
 
 
 def _quiet() -> bool:
