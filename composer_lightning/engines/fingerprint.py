@@ -48,8 +48,9 @@ def tensor_fingerprint(tensor: Tensor, dtype: torch.dtype | None = None) -> tupl
     t = tensor.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    t = t.double()
-    return float(t.sum()), float(t.abs().sum())
+    # accumulated in float64 without a float64 copy of the tensor (an embedding can be 1e8)
+    total = torch.sum(t, dtype=torch.float64)
+    return float(total), float(torch.linalg.vector_norm(t, 1, dtype=torch.float64))
 
 
 def module_fingerprint(named: Iterable[tuple[str, Tensor]]) -> Fingerprint:
