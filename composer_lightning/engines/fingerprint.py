@@ -32,8 +32,10 @@ __all__ = [
     "tensor_fingerprint",
 ]
 
-#: name → (float64 sum, float64 sum of absolute values) of one parameter.
-Fingerprint = dict[str, tuple[float, float]]
+#: name → (float64 sum, float64 sum of absolute values) of one parameter; a trainer's entry
+#: may hold a second pair, the sums before the cast to the engine's dtype (an engine may keep
+#: a parameter, a norm or a bias, in float32 beside bf16 weights).
+Fingerprint = dict[str, tuple[float, ...]]
 
 #: vLLM's stacked parameters: the HF leaf names whose tensors one engine parameter holds.
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
@@ -76,7 +78,10 @@ class FingerprintRecorder:
 
     def _record(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self._weights:
-            self.fingerprint[name] = tensor_fingerprint(tensor, self._dtype)
+            cast = tensor_fingerprint(tensor, self._dtype)
+            if self._dtype is not None and tensor.dtype != self._dtype:
+                cast += tensor_fingerprint(tensor)  # as it is, too
+            self.fingerprint[name] = cast
             yield name, tensor
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
@@ -104,19 +109,24 @@ def fingerprint_mismatches(trainer: Fingerprint, engine: Fingerprint) -> tuple[l
 
     An engine parameter is compared with the trainer's parameter of the same name, else with
     the sum of the trainer's parameters that vLLM fuses into it; one with no counterpart is not
-    compared (an engine-only buffer).
+    compared (an engine-only buffer). It matches the trainer's sums after the cast to the
+    engine's dtype or, where recorded, before it.
     """
     fused: dict[str, list[str]] = {}
     for name in trainer:
         fused.setdefault(_fused(name), []).append(name)
     bad, compared = [], 0
-    for name, (engine_sum, _) in engine.items():
+    for name, (engine_sum, *_) in engine.items():
         parts = [name] if name in trainer else fused.get(name, [])
         if not parts:
             continue
         compared += 1
-        total = sum(trainer[p][0] for p in parts)
-        scale = sum(trainer[p][1] for p in parts)
-        if not abs(engine_sum - total) <= RTOL * scale + 1e-30:
+        variants = max(len(trainer[p]) for p in parts) // 2
+        for v in range(variants):
+            pairs = [trainer[p][2 * v : 2 * v + 2] or trainer[p][:2] for p in parts]
+            total, scale = sum(s for s, _ in pairs), sum(a for _, a in pairs)
+            if abs(engine_sum - total) <= RTOL * scale + 1e-30:
+                break
+        else:
             bad.append(name)
     return bad, compared

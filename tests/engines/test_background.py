@@ -33,8 +33,18 @@ def _weights():
     return [(n, t.clone()) for n, t in iter_hf_weights(load_causal_lm(POLICY))]
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _shm_of(*pids: int) -> set[str]:
+    """The /dev/shm files (shared memory, named semaphores) processes `pids` have mapped: the
+    machine's /dev/shm is shared with every other process, so only these are attributable."""
+    names = set()
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            names |= {line.split()[-1] for line in f if "/dev/shm/" in line}
+    return names
+
+
+def _left(names: set[str]) -> set[str]:
+    return {n for n in names if os.path.exists(n)}
 
 
 def _gone(pid: int) -> bool:
@@ -69,17 +79,20 @@ def test_a_resumed_engine_samples_only_from_versions_published_in_it():
 
 
 def test_close_is_immediate_with_unread_batches_and_frees_the_ring():
-    before = _shm()
     weights = _weights()
     bg = BackgroundEngine(HFEngine(model_path=POLICY, seed=0), EngineContext(), weights, 1)
     bg.publish(weights, 0)
-    for i in range(4):  # generated, never taken: the results pipe holds them
+    bg.request("up", PROMPTS, 2, SAMPLING, version=0)
+    bg.take("up")  # the child is up and has mapped what it shares
+    for i in range(4):  # never taken: the results pipe holds them, or the child is busy
         bg.request(i, PROMPTS * 8, 4, SAMPLING, version=0)
     pid = bg.pid
+    shared = _shm_of(pid)
+    assert shared  # the queues' semaphores
     bg.close()  # joins for at most half a second, then kills
     assert _gone(pid)
     gc.collect()
-    assert _shm() <= before
+    assert not _left(shared)
 
 
 def test_a_hung_engine_is_stopped_with_a_clear_error():
@@ -123,7 +136,6 @@ TRAINER = textwrap.dedent(
 def test_the_engine_process_dies_with_a_killed_trainer(tmp_path):
     """kill -9 of the trainer while its engine process is busy generating: the engine process
     goes too (it would never look up from that generation by itself)."""
-    before = _shm()
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, str(tmp_path / "generating")],
         stdout=subprocess.PIPE,
@@ -134,6 +146,7 @@ def test_the_engine_process_dies_with_a_killed_trainer(tmp_path):
     try:
         child = int(trainer.stdout.readline())
         assert not _gone(child)
+        shared = _shm_of(trainer.pid, child)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=60)
         for _ in range(200):  # the kernel kills it with its parent (PR_SET_PDEATHSIG)
@@ -144,10 +157,10 @@ def test_the_engine_process_dies_with_a_killed_trainer(tmp_path):
     finally:
         trainer.kill()
     for _ in range(200):  # the killed trainer's queues' semaphores: its resource tracker's
-        if _shm() <= before:
+        if not _left(shared):
             break
         time.sleep(0.05)
-    assert _shm() <= before, _shm() - before
+    assert not _left(shared)
 
 
 def test_fingerprints_follow_the_version_the_engine_holds():

@@ -61,3 +61,15 @@ def test_the_recorder_passes_the_stream_through_and_finishes_what_is_left():
     first = next(iter(recorder))
     assert first[0] == "a.weight" and torch.equal(first[1], torch.ones(2))
     assert recorder.finish() == {"a.weight": (2.0, 2.0), "b.weight": (6.0, 6.0)}
+
+
+def test_an_engine_may_keep_a_parameter_in_its_own_precision():
+    """The trainer records a bf16 engine's sums after the cast and as the tensor is: a norm the
+    engine keeps in float32 matches too; a lost value matches neither."""
+    w = torch.tensor([1.0 + 2**-10, 2.0])
+    norm = torch.tensor([0.5 + 2**-12, 1.0])
+    trainer = FingerprintRecorder([("w.weight", w), ("norm.weight", norm)], torch.bfloat16).finish()
+    engine = module_fingerprint([("w.weight", w.bfloat16()), ("norm.weight", norm)])
+    assert fingerprint_mismatches(trainer, engine) == ([], 2)
+    stale = module_fingerprint([("w.weight", w.bfloat16()), ("norm.weight", norm + 1e-3)])
+    assert fingerprint_mismatches(trainer, stale) == (["norm.weight"], 2)
