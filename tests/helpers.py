@@ -183,13 +183,13 @@ class HangingEngine(HFEngine):
 
 class SignalAt(L.Callback):
     """Sends its own process `signum` (SIGTERM by default, as a scheduler does) when step
-    `step` starts; Lightning stops at the end of that step."""
+    `step` starts, on rank `rank` alone if given; the run stops at the end of that step."""
 
-    def __init__(self, step: int, signum: int = 15):
-        self.step, self.signum = step, signum
+    def __init__(self, step: int, signum: int = 15, rank: int | None = None):
+        self.step, self.signum, self.rank = step, signum, rank
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             import os
 
             os.kill(os.getpid(), self.signum)
