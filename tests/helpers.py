@@ -195,6 +195,22 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class FillDiskAt(L.Callback):
+    """Fills the filesystem of directory `path` up to `keep` free bytes (a file `filler`
+    there) when step `step` starts: that step's checkpoint finds less room than it needs."""
+
+    def __init__(self, step: int, path: str, keep: int):
+        self.step, self.path, self.keep = step, path, keep
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            import os
+
+            stat = os.statvfs(self.path)
+            with open(os.path.join(self.path, "filler"), "wb") as f:
+                f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - self.keep, 0))
+
+
 class PrintStaleness(L.Callback):
     """Prints `STALENESS <step> <staleness>` after every step (for CLI runs in tests)."""
 
