@@ -195,6 +195,22 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class ReadOnlyAt(L.Callback):
+    """Makes directory `path` read-only at the end of step `step` (a read-only bind mount of
+    it on itself, before the step's checkpoint: new writes there fail with EROFS, as on a disk
+    the kernel remounted read-only). Needs root; the test unmounts it."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            import subprocess
+
+            subprocess.run(["mount", "--bind", self.path, self.path], check=True)
+            subprocess.run(["mount", "-o", "remount,bind,ro", self.path], check=True)
+
+
 class FillDiskAt(L.Callback):
     """Fills the filesystem of directory `path` up to `keep` free bytes (a file `filler`
     there) when step `step` starts: that step's checkpoint finds less room than it needs."""

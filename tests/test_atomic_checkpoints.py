@@ -6,6 +6,7 @@ in one line naming it, before anything starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -19,6 +20,9 @@ from composer_lightning.errors import CheckpointWriteError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.module import ComposerModule
 from tests.helpers import FillDiskAt, tiny_model
+from tests.test_cli import ROOT, run_cli
+
+CONFIG = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
 
 
 @pytest.fixture
@@ -86,3 +90,67 @@ def test_a_sharded_checkpoint_that_does_not_fit_leaves_the_previous_ones(tmp_pat
     assert resumed.global_step == 2  # it resumed at step 1 and ran one more
     assert sorted(os.listdir(ckpts)) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 2
+
+
+def _cli_args(run, *callbacks: dict, steps: int = 3) -> list[str]:
+    return [
+        "--config",
+        CONFIG,
+        f"--trainer.max_steps={steps}",
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.save_dir={run}",
+        f"--trainer.callbacks={json.dumps(list(callbacks))}",
+    ]
+
+
+def _every_step(dirpath, top_k: int = 0) -> dict:
+    """`last.ckpt` after every step (and the latest `epoch=0-step=N.ckpt` with `top_k=1`)."""
+    return {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {
+            "dirpath": str(dirpath),
+            "every_n_train_steps": 1,
+            "save_top_k": top_k,
+            "save_last": True,
+        },
+    }
+
+
+def test_a_checkpoint_that_does_not_fit_leaves_the_previous_ones_and_one_line(tmp_path, mounts):
+    """Step 2's checkpoint finds 1 MB free (it needs ≈ 8.5 MB): the error names it, nothing of
+    it is left, step 1's files are whole."""
+    ckpts = tmp_path / "ckpts"
+    mounts(ckpts, "size=64m")
+    fill = {
+        "class_path": "tests.helpers.FillDiskAt",
+        "init_args": {"step": 1, "path": str(ckpts), "keep": 1_000_000},
+    }
+    out = run_cli("fit", *_cli_args(tmp_path / "run", _every_step(ckpts, top_k=1), fill))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        f"composer_lightning: cannot write checkpoint {ckpts / 'epoch=0-step=2.ckpt'}: "
+        "[Errno 28] No space left on device (the previous checkpoint there, if any, is "
+        "unchanged)"
+    ]
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=1.ckpt", "filler", "last.ckpt"]
+    for name in ("epoch=0-step=1.ckpt", "last.ckpt"):
+        assert torch.load(ckpts / name, weights_only=False)["global_step"] == 1
+
+
+def test_a_run_directory_turned_read_only_mid_run_stops_with_one_line(tmp_path, mounts):
+    """Read-only after step 2: TensorBoard's writer, the checkpoint and the end-of-run figure
+    all fail; the report is the first of them, the checkpoint, in one line."""
+    run = tmp_path / "run"
+    mounts(run, "size=64m")
+    ckpts = run / "ckpts"
+    read_only = {
+        "class_path": "tests.helpers.ReadOnlyAt",
+        "init_args": {"step": 2, "path": str(run)},
+    }
+    out = run_cli("fit", *_cli_args(run, _every_step(ckpts), read_only, steps=4))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        f"composer_lightning: cannot write checkpoint {ckpts / 'last.ckpt'}: [Errno 30] "
+        "Read-only file system (the previous checkpoint there, if any, is unchanged)"
+    ]
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 1
