@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import warnings
 
@@ -155,6 +156,19 @@ def main(argv: list[str] | None = None) -> int:
             except ArgumentError as exc:
                 raise SystemExit(
                     f"composer_lightning: invalid configuration: {_one_line(exc)}"
+                ) from None
+
+        def _parse_ckpt_path(self) -> None:
+            # A checkpoint that cannot be read (truncated, not a checkpoint) is refused here,
+            # before anything is built or started, in one line naming the file.
+            try:
+                super()._parse_ckpt_path()
+            except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+                path = self.config[self.config.subcommand].get("ckpt_path")
+                reason = str(exc).split(". ")[0]  # torch's advice on corrupt files follows
+                raise SystemExit(
+                    f"composer_lightning: cannot read checkpoint {path} (truncated, or not a "
+                    f"checkpoint): {reason}"
                 ) from None
 
         def instantiate_classes(self) -> None:

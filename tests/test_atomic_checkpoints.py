@@ -6,6 +6,7 @@ in one line naming it, before anything starts."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -154,3 +155,15 @@ def test_a_run_directory_turned_read_only_mid_run_stops_with_one_line(tmp_path, 
         "Read-only file system (the previous checkpoint there, if any, is unchanged)"
     ]
     assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 1
+
+
+def test_a_truncated_checkpoint_is_refused_in_one_line_before_anything_starts(tmp_path):
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.zeros(1 << 18)}, "global_step": 1}, buffer)
+    truncated = tmp_path / "last.ckpt"
+    truncated.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    out = run_cli("fit", *_cli_args(tmp_path / "run"), f"--ckpt_path={truncated}")
+    assert out.returncode == 1
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"composer_lightning: cannot read checkpoint {truncated} (truncated")
+    assert not (tmp_path / "run").exists()  # nothing was set up
