@@ -24,6 +24,7 @@ not use; `ModelParallelStrategy` is its FSDP2), and remote (`s3://...`) paths.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 from pathlib import Path
@@ -130,7 +131,20 @@ def _sharded(strategy: Strategy) -> bool:
 
 def _write_error(path: Any, exc: BaseException) -> BaseException:
     """`exc` as a `CheckpointWriteError` of `path` when an OS error is behind it."""
-    error = os_error(exc)
-    if error is None or isinstance(exc, CheckpointWriteError):
+    if isinstance(exc, CheckpointWriteError):
         return exc
-    return CheckpointWriteError(os.fspath(path), error)
+    error = os_error(exc) or _full(os.path.dirname(os.path.abspath(path)))
+    return exc if error is None else CheckpointWriteError(os.fspath(path), error)
+
+
+def _full(directory: str) -> OSError | None:
+    """ENOSPC if `directory`'s filesystem has (almost) no room left. torch.distributed.checkpoint
+    gathers each rank's failure to every rank by pickling it, which drops the disk error that
+    torch.save's RuntimeError ("unexpected pos") was raised while handling; this tells it again."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None
+    if stat.f_bavail * stat.f_frsize >= 1 << 20:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

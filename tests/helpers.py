@@ -220,11 +220,16 @@ class FillDiskAt(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.global_step == self.step:
-            import os
+            fill_disk(self.path, self.keep)
 
-            stat = os.statvfs(self.path)
-            with open(os.path.join(self.path, "filler"), "wb") as f:
-                f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - self.keep, 0))
+
+def fill_disk(path: str, keep: int) -> None:
+    """Fill the filesystem of directory `path` up to `keep` free bytes (a file `filler`)."""
+    import os
+
+    stat = os.statvfs(path)
+    with open(os.path.join(path, "filler"), "wb") as f:
+        f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - keep, 0))
 
 
 class PrintStaleness(L.Callback):

@@ -1,10 +1,13 @@
-"""Two FSDP2 ranks on the real rollout path, one of them signalled (tests/scale/test_stop.py).
+"""Two FSDP2 ranks on the real rollout path, one of them signalled, or their disk full
+(tests/scale/test_stop.py).
 
-    python tests/scale/_stop.py {signalled RANK SIGNUM | resumed CKPT} OUT
+    python tests/scale/_stop.py {signalled RANK SIGNUM | resumed CKPT | full} OUT
 
 `signalled` runs up to STEPS steps and sends SIGNUM to rank RANK alone (its own process, from
 inside, in the middle of step SIGNAL_IN: deterministic, and to the kernel the same as a signal
-from outside) while the other rank is not told; `resumed` resumes from CKPT and runs to STEPS.
+from outside) while the other rank is not told; `resumed` resumes from CKPT and runs to STEPS;
+`full` saves `checkpoints/last.ckpt` after every step, and before step 2 leaves room for half
+of one more.
 Each rank writes `OUT.rank<r>` (JSON): the global step it ended at, the exit status it ends
 with and the steps it completed. Rank 0 (Lightning starts rank 1 as its child) also waits for
 rank 1 and records its real exit status. Start it in a new session, so that a hang can be
@@ -19,6 +22,7 @@ from datetime import timedelta
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from composer_lightning.callbacks.rollout import RolloutCallback
@@ -27,7 +31,7 @@ from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule
-from tests.helpers import SignalAt
+from tests.helpers import SignalAt, fill_disk
 
 STEPS, SIGNAL_IN = 5, 3  # the signal arrives while step 3 runs: both ranks stop after it
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
@@ -41,6 +45,20 @@ class Steps(L.Callback):
 
     def on_train_batch_end(self, trainer, *args):
         self.done.append(trainer.global_step)
+
+
+class FillHalf(L.Callback):
+    """Rank 0 (the ranks share the disk) leaves room for half of `last.ckpt` in `directory`
+    when step `step` starts."""
+
+    def __init__(self, directory: str, step: int):
+        self.directory, self.step = directory, step
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.is_global_zero and trainer.global_step == self.step - 1:
+            last = os.path.join(self.directory, "last.ckpt")
+            size = sum(os.path.getsize(os.path.join(last, f)) for f in os.listdir(last))
+            fill_disk(self.directory, keep=size // 2)
 
 
 def main(kind: str, args: list[str], out: str) -> None:
@@ -57,6 +75,12 @@ def main(kind: str, args: list[str], out: str) -> None:
     ]
     if kind == "signalled":
         callbacks.append(SignalAt(SIGNAL_IN - 1, int(args[1]), rank=int(args[0])))
+    checkpoints = os.path.join(os.path.dirname(out), "checkpoints")
+    if kind == "full":
+        callbacks += [
+            ModelCheckpoint(checkpoints, every_n_train_steps=1, save_top_k=0, save_last=True),
+            FillHalf(checkpoints, 2),
+        ]
     module = ComposerModule(
         tiny_policy_path(), [DrGRPOHead()], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)
     )
@@ -70,7 +94,7 @@ def main(kind: str, args: list[str], out: str) -> None:
         ),
         max_steps=STEPS,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=kind == "full",
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,

@@ -1,6 +1,7 @@
 """A signal to any one of two FSDP2 ranks stops both at the end of the same step, each with
 exit status 128 + the signal number, `last.ckpt` saved, nothing left running; the checkpoint
-resumes to the end (tests/scale/_stop.py)."""
+resumes to the end. A checkpoint that does not fit stops both ranks in the same save with one
+error, the previous checkpoint whole (tests/scale/_stop.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.scale.test_resume import _wait_gone
+from tests.test_atomic_checkpoints import mounts  # noqa: F401 - a fixture
 from tests.test_cli import ROOT
 
 SCRIPT = str(ROOT / "tests" / "scale" / "_stop.py")
@@ -76,3 +79,24 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint(rank
     for record in _records(resumed):
         assert record["global_step"] == STEPS
         assert record["done"] == list(range(SIGNAL_IN + 1, STEPS + 1))
+
+
+def test_a_checkpoint_that_does_not_fit_stops_both_ranks_with_one_error(tmp_path, mounts):  # noqa: F811
+    """Step 2's sharded `last.ckpt` finds room for half of itself: both ranks raise the same
+    error in that save (no rank left waiting in a collective), step 1's stays whole."""
+    checkpoints = tmp_path / "checkpoints"
+    mounts(checkpoints, "size=64m")
+    rc = _run(tmp_path, "full")
+    err = (tmp_path / "stderr.txt").read_text()
+    assert rc == 3, err[-3000:]
+    records = _records(tmp_path)
+    assert records[0]["children"] == [3]
+    last = checkpoints / "last.ckpt"
+    assert records[0]["status"] == records[1]["status"]
+    assert records[0]["status"].startswith("RankError: rank ")
+    assert (
+        f"CheckpointWriteError: cannot write checkpoint {last}: [Errno 28]" in records[0]["status"]
+    )
+    assert [(r["global_step"], r["done"]) for r in records] == [(2, [1, 2])] * 2  # its save
+    assert sorted(os.listdir(checkpoints)) == ["filler", "last.ckpt"]
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 1
