@@ -67,7 +67,12 @@ def _sharded_fit(ckpts, steps: int, *callbacks, ckpt_path=None) -> L.Trainer:
             *callbacks,
         ],
     )
-    trainer.fit(module, SyntheticRolloutDataModule(vocab_size=64), ckpt_path=ckpt_path)
+    environ = dict(os.environ)
+    try:
+        trainer.fit(module, SyntheticRolloutDataModule(vocab_size=64), ckpt_path=ckpt_path)
+    finally:  # the strategy sets LOCAL_RANK etc. here, which a later CLI run would inherit
+        os.environ.clear()
+        os.environ.update(environ)
     return trainer
 
 
