@@ -6,6 +6,7 @@ in one line naming it, before anything starts."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -16,6 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from composer_lightning.checkpoint_io import AtomicCheckpointIO
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.errors import CheckpointWriteError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
@@ -47,6 +49,25 @@ def mounts():
     for path in reversed(mounted):  # a bind mount a run put over it, then the tmpfs
         while subprocess.run(["mountpoint", "-q", path]).returncode == 0:
             subprocess.run(["umount", "-l", path], check=True)
+
+
+class _DiskFull:
+    """Pickling it fails as a full disk does, halfway through a checkpoint."""
+
+    def __reduce__(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_file_byte_for_byte(tmp_path):
+    path = tmp_path / "last.ckpt"
+    plugin = AtomicCheckpointIO()
+    plugin.save_checkpoint({"global_step": 1, "w": torch.arange(1000.0)}, path)
+    before = path.read_bytes()
+    with pytest.raises(CheckpointWriteError) as raised:
+        plugin.save_checkpoint({"global_step": 2, "w": torch.zeros(1000), "x": _DiskFull()}, path)
+    assert str(raised.value).startswith(f"cannot write checkpoint {path}: [Errno 28]")
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
 def _sharded_fit(ckpts, steps: int, *callbacks, ckpt_path=None) -> L.Trainer:
