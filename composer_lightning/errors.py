@@ -42,24 +42,18 @@ def os_error(exc: BaseException | None) -> OSError | None:
 
 
 def storage_error(exc: BaseException) -> str | None:
-    """One line naming the path and the OS error of the earliest storage failure
-    (`STORAGE_ERRNOS`) in `exc`'s chain: a logger or a checkpoint that hit a full or read-only
-    disk, however the library that met it wrapped it (Lightning's TensorBoard logger turns it
-    into "you tried to log 3.0 which is currently not supported") and whatever failed next on
-    the same disk while Lightning stopped; None if there is none."""
-    earliest = None
-    for error in chain(exc):
-        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
-            earliest = error
-        if isinstance(error, CheckpointWriteError):
-            break  # it names the checkpoint; what it was raised from names a temporary file
-    if earliest is None:
+    """One line naming the path and the OS error, if a storage failure (`STORAGE_ERRNOS`) is in
+    `exc`'s chain: a logger or a checkpoint that hit a full or read-only disk, however the
+    library that met it wrapped it (Lightning's TensorBoard logger turns it into "you tried to
+    log 3.0 which is currently not supported"); None if there is none."""
+    error = os_error(exc)
+    if error is None or error.errno not in STORAGE_ERRNOS:
         return None
-    if isinstance(earliest, CheckpointWriteError):
-        return str(earliest)
-    verb = "access" if earliest.errno == errno.EACCES else "write"  # EACCES: maybe a read
-    where = f" {os.fsdecode(earliest.filename)}" if earliest.filename is not None else ""
-    return f"cannot {verb}{where}: [Errno {earliest.errno}] {earliest.strerror}"
+    if isinstance(error, CheckpointWriteError):
+        return str(error)
+    verb = "access" if error.errno == errno.EACCES else "write"  # EACCES: maybe a read
+    where = f" {os.fsdecode(error.filename)}" if error.filename is not None else ""
+    return f"cannot {verb}{where}: [Errno {error.errno}] {error.strerror}"
 
 
 def chain(exc: BaseException | None) -> Iterator[BaseException]:
