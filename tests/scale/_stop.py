@@ -1,13 +1,13 @@
 """Two FSDP2 ranks on the real rollout path, one of them signalled, or their disk full
 (tests/scale/test_stop.py).
 
-    python tests/scale/_stop.py {signalled RANK SIGNUM | resumed CKPT | full} OUT
+    python tests/scale/_stop.py {signalled RANK SIGNUM | resumed CKPT | full {sharded|file}} OUT
 
 `signalled` runs up to STEPS steps and sends SIGNUM to rank RANK alone (its own process, from
 inside, in the middle of step SIGNAL_IN: deterministic, and to the kernel the same as a signal
 from outside) while the other rank is not told; `resumed` resumes from CKPT and runs to STEPS;
-`full` saves `checkpoints/last.ckpt` after every step, and before step 2 leaves room for half
-of one more.
+`full` saves `checkpoints/last.ckpt` after every step (FSDP2's sharded directory, or one file
+that rank 0 writes) and before step 2 leaves room for half of one more.
 Each rank writes `OUT.rank<r>` (JSON): the global step it ended at, the exit status it ends
 with and the steps it completed. Rank 0 (Lightning starts rank 1 as its child) also waits for
 rank 1 and records its real exit status. Start it in a new session, so that a hang can be
@@ -57,7 +57,10 @@ class FillHalf(L.Callback):
     def on_train_batch_start(self, trainer, *args):
         if trainer.is_global_zero and trainer.global_step == self.step - 1:
             last = os.path.join(self.directory, "last.ckpt")
-            size = sum(os.path.getsize(os.path.join(last, f)) for f in os.listdir(last))
+            files = (
+                [os.path.join(last, f) for f in os.listdir(last)] if os.path.isdir(last) else [last]
+            )
+            size = sum(os.path.getsize(f) for f in files)
             fill_disk(self.directory, keep=size // 2)
 
 
@@ -90,6 +93,7 @@ def main(kind: str, args: list[str], out: str) -> None:
         strategy=ModelParallelStrategy(
             data_parallel_size=2,
             tensor_parallel_size=1,
+            save_distributed_checkpoint=args[-1:] != ["file"],
             timeout=timedelta(seconds=30),  # a rank left alone fails in 30 s, not 30 min
         ),
         max_steps=STEPS,

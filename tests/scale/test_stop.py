@@ -81,22 +81,23 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint(rank
         assert record["done"] == list(range(SIGNAL_IN + 1, STEPS + 1))
 
 
-def test_a_checkpoint_that_does_not_fit_stops_both_ranks_with_one_error(tmp_path, mounts):  # noqa: F811
-    """Step 2's sharded `last.ckpt` finds room for half of itself: both ranks raise the same
-    error in that save (no rank left waiting in a collective), step 1's stays whole."""
+@pytest.mark.parametrize("layout", ["sharded", "file"])
+def test_a_checkpoint_that_does_not_fit_stops_both_ranks_with_one_error(layout, tmp_path, mounts):  # noqa: F811
+    """Step 2's `last.ckpt` (FSDP2's sharded directory, or one file only rank 0 writes) finds
+    room for half of itself: both ranks raise the same error in that save (no rank left
+    waiting in a collective), step 1's stays whole."""
     checkpoints = tmp_path / "checkpoints"
     mounts(checkpoints, "size=64m")
-    rc = _run(tmp_path, "full")
+    rc = _run(tmp_path, "full", layout)
     err = (tmp_path / "stderr.txt").read_text()
     assert rc == 3, err[-3000:]
     records = _records(tmp_path)
     assert records[0]["children"] == [3]
     last = checkpoints / "last.ckpt"
     assert records[0]["status"] == records[1]["status"]
-    assert records[0]["status"].startswith("RankError: rank ")
-    assert (
-        f"CheckpointWriteError: cannot write checkpoint {last}: [Errno 28]" in records[0]["status"]
-    )
+    assert records[0]["status"].startswith("RankError: rank 0: CheckpointWriteError: ")
+    assert f"cannot write checkpoint {last}: [Errno 28]" in records[0]["status"]
     assert [(r["global_step"], r["done"]) for r in records] == [(2, [1, 2])] * 2  # its save
     assert sorted(os.listdir(checkpoints)) == ["filler", "last.ckpt"]
-    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 1
+    meta = last / "meta.pt" if layout == "sharded" else last
+    assert torch.load(meta, weights_only=False)["global_step"] == 1
