@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import warnings
 
@@ -25,7 +26,7 @@ def list_heads(stream=sys.stdout) -> int:
 
 
 def _quiet() -> None:
-    """Warnings that say nothing to a user of the command line."""
+    """Warnings and reports that say nothing to a user of the command line."""
     warnings.filterwarnings(
         "ignore", message=r".*isinstance\(treespec, LeafSpec\)"
     )  # Lightning/torch
@@ -36,6 +37,17 @@ def _quiet() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars of from_pretrained
+    import threading
+
+    report = threading.excepthook
+
+    def excepthook(args) -> None:
+        # A thread that keeps its exception for its owner to raise (TensorBoard's writer: the
+        # next log call raises it in the main thread, which reports it) is not reported twice.
+        if getattr(args.thread, "exception", None) is not args.exc_value:
+            report(args)
+
+    threading.excepthook = excepthook
 
 
 def run_summary(module, trainer) -> str:
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     quiet_lightning()
     from composer_lightning.distributed import RankError
-    from composer_lightning.errors import ConfigError
+    from composer_lightning.errors import ConfigError, storage_error
     from composer_lightning.module import ComposerModule, OutOfSyncError
     from composer_lightning.tasks.base import ScoringError
 
@@ -146,6 +158,19 @@ def main(argv: list[str] | None = None) -> int:
                     f"composer_lightning: invalid configuration: {_one_line(exc)}"
                 ) from None
 
+        def _parse_ckpt_path(self) -> None:
+            # A checkpoint that cannot be read (truncated, not a checkpoint) is refused here,
+            # before anything is built or started, in one line naming the file.
+            try:
+                super()._parse_ckpt_path()
+            except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+                path = self.config[self.config.subcommand].get("ckpt_path")
+                reason = str(exc).split(". ")[0]  # torch's advice on corrupt files follows
+                raise SystemExit(
+                    f"composer_lightning: cannot read checkpoint {path} (truncated, or not a "
+                    f"checkpoint): {reason}"
+                ) from None
+
         def instantiate_classes(self) -> None:
             # Errors while building the configured objects are configuration errors: say what
             # is wrong in one line instead of a traceback.
@@ -174,4 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"composer_lightning: invalid configuration: {exc}") from None
     except (RankError, OutOfSyncError, ScoringError) as exc:  # the run's own stops: one line
         raise SystemExit(f"composer_lightning: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # a full or read-only disk: the path and the OS error, one line
+        line = storage_error(exc)
+        if line is None:
+            raise
+        raise SystemExit(f"composer_lightning: {line}") from None
     return 0

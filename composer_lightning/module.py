@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from composer_lightning.batch import RolloutBatch
+from composer_lightning.callbacks.checkpoints import AtomicCheckpoints
 from composer_lightning.callbacks.precision import AbsorbedUpdates
 from composer_lightning.callbacks.stop import CheckpointOnStop
 from composer_lightning.canary import (
@@ -159,8 +160,9 @@ class ComposerModule(L.LightningModule):
             self._fully_sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
-        # always on: 16-bit weights that swallow updates are reported; a signal loses nothing
-        return [AbsorbedUpdates(), CheckpointOnStop()]
+        # always on: 16-bit weights that swallow updates are reported; a signal loses nothing;
+        # a checkpoint is whole or not written
+        return [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:
         opt = self.optimizer_factory(self.policy.parameters())

@@ -183,16 +183,53 @@ class HangingEngine(HFEngine):
 
 class SignalAt(L.Callback):
     """Sends its own process `signum` (SIGTERM by default, as a scheduler does) when step
-    `step` starts; Lightning stops at the end of that step."""
+    `step` starts, on rank `rank` alone if given; the run stops at the end of that step."""
 
-    def __init__(self, step: int, signum: int = 15):
-        self.step, self.signum = step, signum
+    def __init__(self, step: int, signum: int = 15, rank: int | None = None):
+        self.step, self.signum, self.rank = step, signum, rank
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             import os
 
             os.kill(os.getpid(), self.signum)
+
+
+class ReadOnlyAt(L.Callback):
+    """Makes directory `path` read-only at the end of step `step` (a read-only bind mount of
+    it on itself, before the step's checkpoint: new writes there fail with EROFS, as on a disk
+    the kernel remounted read-only). Needs root; the test unmounts it."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            import subprocess
+
+            subprocess.run(["mount", "--bind", self.path, self.path], check=True)
+            subprocess.run(["mount", "-o", "remount,bind,ro", self.path], check=True)
+
+
+class FillDiskAt(L.Callback):
+    """Fills the filesystem of directory `path` up to `keep` free bytes (a file `filler`
+    there) when step `step` starts: that step's checkpoint finds less room than it needs."""
+
+    def __init__(self, step: int, path: str, keep: int):
+        self.step, self.path, self.keep = step, path, keep
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            fill_disk(self.path, self.keep)
+
+
+def fill_disk(path: str, keep: int) -> None:
+    """Fill the filesystem of directory `path` up to `keep` free bytes (a file `filler`)."""
+    import os
+
+    stat = os.statvfs(path)
+    with open(os.path.join(path, "filler"), "wb") as f:
+        f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - keep, 0))
 
 
 class PrintStaleness(L.Callback):

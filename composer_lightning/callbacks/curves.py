@@ -53,7 +53,13 @@ class Curves(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        self.draw(trainer)
+        try:
+            self.draw(trainer)
+        except OSError:
+            # the run stops on `exception`, which must be what is reported; a figure that
+            # cannot be written then (most likely the same full or read-only disk) must not
+            # replace it
+            pass
 
     def draw(self, trainer: L.Trainer) -> str | None:
         """Write the PNG (rank 0); returns its path, or None when there is nothing to draw."""

@@ -1,17 +1,25 @@
-"""`CheckpointOnStop`: SIGTERM and Ctrl-C save a checkpoint at the step's end and exit non-zero.
+"""`CheckpointOnStop`: a signal to any rank stops every rank at the end of the same step, with
+a checkpoint and a non-zero exit.
 
-Lightning notices SIGTERM (sent by SLURM, Kubernetes, `kill`) and stops at the end of the
-current step, on every rank, with a `SIGTERMException`, but exits with status 0 and saves
-nothing. This callback saves `last.ckpt` in the run's checkpoint directory at that point (the
-state after a whole step, weights pushed: resuming continues exactly) and makes the exit status
-128 + the signal number. Ctrl-C (SIGINT) takes the same path: the first one asks for a stop at
-the end of the step, a second one interrupts at once. `ComposerModule` adds this callback itself.
+SIGTERM (SLURM, Kubernetes, `kill`), Ctrl-C (SIGINT) and SIGUSR1 (a scheduler's pre-emption
+notice; taken only where no other handler owns it, e.g. not from Lightning's SLURM requeue)
+only set a flag on the rank that receives them. A handler runs between two bytecodes of the
+main thread, possibly inside a collective's caller, so it must not start one: Lightning's own
+SIGTERM handler broadcasts from rank 0 there, and a signal to another rank leaves that rank
+waiting for a broadcast rank 0 never sends. Instead every rank exchanges its flag at the end of
+every step (one small collective); if any rank was signalled, every rank stops there through
+Lightning's own check (a `SIGTERMException` after the step's bookkeeping), and this callback
+saves `last.ckpt` in the run's checkpoint directory (the state after a whole step, weights
+pushed: resuming continues exactly) and sets the exit status to 128 + the signal number (the
+lowest signalled rank's signal). A second Ctrl-C interrupts at once. `ComposerModule` adds this
+callback itself.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any
 
 import lightning as L
@@ -19,6 +27,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from composer_lightning.callbacks.samples import run_dir
+from composer_lightning.distributed import per_rank
+
+#: The signals that stop a run at the end of the step.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def checkpoint_dir(trainer: L.Trainer) -> str:
@@ -30,39 +42,69 @@ def checkpoint_dir(trainer: L.Trainer) -> str:
 
 
 class CheckpointOnStop(L.Callback):
-    """Save `last.ckpt` when a signal stops the run; exit with 128 + the signal number."""
+    """Stop every rank at the end of the step in which any rank got a stop signal; save
+    `last.ckpt` there and exit with 128 + the signal number."""
 
     def __init__(self) -> None:
-        self._signal = signal.SIGTERM
-        self._previous_sigint: Any = None
+        self._received = 0  # the first stop signal this rank got, 0 for none
+        self._signal = 0  # the one every rank agreed to stop on
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        try:  # only the main thread may install handlers
-            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
-        except ValueError:
-            self._previous_sigint = None
+        self._received = self._signal = 0
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self._signal == signal.SIGINT:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self._signal = signal.SIGINT
-        rank_zero_info("Ctrl-C: stopping after this step (checkpoint saved); again to abort now")
-        os.kill(os.getpid(), signal.SIGTERM)  # Lightning's own stop at the end of the step
+    # Lightning installs its handlers after `on_fit_start` and before the sanity check, and
+    # restores the ones from before `fit` when it tears down (also after an error): ours
+    # replace its handlers at the first hook after that, and are undone with them.
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may install handlers
+        for signum in STOP_SIGNALS:
+            current = signal.getsignal(signum)
+            if signum == signal.SIGUSR1 and current not in (signal.SIG_DFL, self._on_signal):
+                continue  # someone else's (e.g. Lightning's SLURM auto-requeue)
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self._received == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if not self._received:
+            self._received = signum
+        if signum == signal.SIGINT:
+            rank_zero_info(
+                "Ctrl-C: stopping after this step (checkpoint saved); again to abort now"
+            )
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        signals = [s for s in per_rank(self._received) if s]  # every rank, every step
+        if signals and not self._signal:
+            self._signal = int(signals[0])
+            # The flag Lightning's loops check at the end of the step (and of the epoch, after
+            # the last step): every rank raises its `SIGTERMException` there, in this step.
+            trainer._signal_connector.received_sigterm = True
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         if not isinstance(exception, SIGTERMException):
             return
+        signum = self._signal or signal.SIGTERM  # Lightning's own stop, before our handlers
         path = os.path.join(checkpoint_dir(trainer), "last.ckpt")
         trainer.save_checkpoint(path)  # every rank: a collective under FSDP2
         rank_zero_info(
-            f"stopped by signal {int(self._signal)} after step {trainer.global_step}; "
+            f"stopped by signal {int(signum)} after step {trainer.global_step}; "
             f"saved {path} (resume with --ckpt_path {path})"
         )
-        exception.code = 128 + int(self._signal)
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._previous_sigint is not None:
-            signal.signal(signal.SIGINT, self._previous_sigint)
-            self._previous_sigint = None
+        exception.code = 128 + int(signum)
