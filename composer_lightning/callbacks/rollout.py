@@ -50,6 +50,12 @@ from composer_lightning.engines.base import EngineContext, RolloutEngine, Sampli
 from composer_lightning.engines.fingerprint import Fingerprint, FingerprintRecorder
 from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.errors import ConfigError
+from composer_lightning.inputs import (
+    check_minibatches,
+    check_prompt_lengths,
+    check_vocabulary,
+    context_length,
+)
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, VerifierScore
 from composer_lightning.validation import evaluate
 
@@ -146,6 +152,7 @@ class RolloutCallback(L.Callback):
         self._push_time = 0.0
         self._tp_group: Any = None
         self._base_seed = self.sampling.seed
+        self._context: tuple[int, str] | None = None  # the engine's context length, and whence
 
     # ------------------------------------------------------------------ start and sync
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -157,6 +164,7 @@ class RolloutCallback(L.Callback):
                 f"temperature ({self.sampling.temperature}); log-probs must be those "
                 "of the sampling distribution: set both to the same value"
             )
+        self._check_inputs(trainer, pl_module)
         context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
         tp = self.engine.tensor_parallel_size
         if context.world_size % tp:
@@ -196,6 +204,20 @@ class RolloutCallback(L.Callback):
                 group = dist.new_group(list(range(first, first + tp)))
                 if first <= context.rank < first + tp:
                     self._tp_group = group
+
+    def _check_inputs(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """What `inputs.py` checks, before the engine starts: the tokenizer against the models,
+        the prompts against the engine's context, minibatches against groups."""
+        dm = getattr(trainer, "datamodule", None)
+        if not callable(getattr(dm, "labelled_prompts", None)):
+            return  # a data module of other batches: nothing to check here
+        minibatches = getattr(pl_module, "minibatches", 1)
+        check_minibatches(minibatches, dm.prompts_per_step)
+        models = {name: getattr(pl_module, name, None) for name in ("policy", "teacher")}
+        check_vocabulary(dm.tokenizer, models)
+        self._context = context_length(self.engine, getattr(pl_module, "policy_path", None))
+        if self._context is not None:
+            check_prompt_lengths(dm.labelled_prompts(), self.sampling.max_tokens, self._context)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._push(pl_module)  # also re-syncs a resumed run from the restored weights
@@ -375,6 +397,10 @@ class RolloutCallback(L.Callback):
         sampling = self._sampling(tokenizer)
         start = time.perf_counter()
         step = int(batch["index"])
+        if self._context is not None:  # a task's prompts: only the first batch was checked
+            prompts = batch["prompt_ids"]
+            where = [(f"{j} of rollout batch {step}", ids) for j, ids in enumerate(prompts)]
+            check_prompt_lengths(where, sampling.max_tokens, self._context)
         if self._background is not None:
             version, outs, gen_time, engine_print = generate_ahead(
                 self._background,
