@@ -261,3 +261,26 @@ def test_resuming_with_other_heads_warns_naming_the_dropped_state():
         UserWarning, match=r"the saved state of \['replay_dpo'\] is dropped, \['sdpo'\] start fresh"
     ):
         other.on_load_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "--rollout.sampling.temprature=0.7",
+            "rollout.sampling: unknown key 'temprature' (did you mean 'temperature'?); "
+            "SamplingConfig takes temperature, top_p, top_k, max_tokens, stop_token_ids, seed, "
+            "ignore_eos",
+        ),
+        (
+            "--rollout.sampling.max_tokens=many",
+            "rollout.sampling.max_tokens: Expected a <class 'int'>. Got value: many",
+        ),
+    ],
+)
+def test_a_misspelt_or_mistyped_nested_key_is_one_short_line(override, message):
+    from composer_lightning.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml"), override])
+    assert str(exit_.value) == f"composer_lightning: invalid configuration: {message}"
