@@ -249,18 +249,31 @@ def test_duplicate_head_names_are_one_line(tmp_path):
     assert "invalid configuration: duplicate head names ['same']" in out.stderr, out.stderr[-2000:]
 
 
-def test_resuming_with_other_heads_warns_naming_the_dropped_state():
+def test_resuming_with_other_heads_is_one_error_unless_allowed_then_one_warning(caplog):
+    from composer_lightning.errors import ConfigError
     from composer_lightning.heads.sdpo import SDPOHead
 
     checkpoint: dict = {}
     _module().on_save_checkpoint(checkpoint)  # dr_grpo + replay_dpo (a buffer)
-    other = ComposerModule(
-        tiny_model(torch.float32), [DrGRPOHead(), SDPOHead()], max_logprob_gap=None
+
+    def other(**kw):
+        heads = [DrGRPOHead(), SDPOHead()]
+        return ComposerModule(tiny_model(torch.float32), heads, max_logprob_gap=None, **kw)
+
+    with pytest.raises(ConfigError) as err:
+        other().on_load_checkpoint(checkpoint)
+    assert str(err.value) == (
+        "cannot resume from this checkpoint with this configuration: other heads than the "
+        "checkpoint's: the saved state of head(s) ['replay_dpo'] would be dropped and head(s) "
+        "['sdpo'] would start fresh; resume with the checkpoint's heads, or set "
+        "model.allow_head_changes=true to allow it"
     )
-    with pytest.warns(
-        UserWarning, match=r"the saved state of \['replay_dpo'\] is dropped, \['sdpo'\] start fresh"
-    ):
-        other.on_load_checkpoint(checkpoint)
+    with caplog.at_level("WARNING"):
+        other(allow_head_changes=True).on_load_checkpoint(checkpoint)
+    assert [r.getMessage() for r in caplog.records] == [
+        "resuming with other heads than the checkpoint's (allow_head_changes): the saved state "
+        "of ['replay_dpo'] is dropped, ['sdpo'] start fresh"
+    ]
 
 
 @pytest.mark.parametrize(
