@@ -9,7 +9,10 @@ import lightning as L
 import pytest
 import torch
 
+from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
+from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.errors import ConfigError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
@@ -174,6 +177,23 @@ def test_the_configured_frozen_models_replace_the_checkpoints_copies():
     for key, value in second.state_dict().items():
         if key in expected:
             assert torch.equal(value, expected[key]), key
+
+
+def test_a_changed_group_size_sampling_or_data_setting_is_honoured_with_one_line_each(caplog):
+    saved_cb = RolloutCallback(HFEngine(), group_size=4, sampling=SamplingConfig(max_tokens=8))
+    cb = RolloutCallback(HFEngine(), group_size=2, sampling=SamplingConfig(max_tokens=16))
+    saved_dm = RolloutDataModule(tokenizer=None, prompts_per_step=8, seed=0)
+    dm = RolloutDataModule(tokenizer=None, prompts_per_step=4, seed=1)
+    with caplog.at_level("WARNING"):
+        cb.load_state_dict(saved_cb.state_dict())
+        dm.load_state_dict(saved_dm.state_dict())
+    assert cb.group_size == 2 and dm.prompts_per_step == 4
+    assert _warnings(caplog) == [
+        "resuming with group_size 2 (the checkpoint was trained with 4)",
+        "resuming with sampling max_tokens 16 (the checkpoint was trained with 8)",
+        "resuming with data seed 1 (the checkpoint was trained with 0)",
+        "resuming with data prompts_per_step 4 (the checkpoint was trained with 8)",
+    ]
 
 
 def test_the_number_of_ranks_is_judged_against_the_run_about_to_start():

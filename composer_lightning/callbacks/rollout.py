@@ -20,7 +20,7 @@ batch with the trainer's (`engines/fingerprint.py`), exactly.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, Literal
 
 import lightning as L
@@ -56,6 +56,8 @@ from composer_lightning.inputs import (
     check_vocabulary,
     context_length,
 )
+from composer_lightning.resume import Differences, same
+from composer_lightning.resume import line as resume_line
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, VerifierScore
 from composer_lightning.validation import evaluate
 
@@ -248,10 +250,15 @@ class RolloutCallback(L.Callback):
 
     # ------------------------------------------------------------------ overlap state
     def state_dict(self) -> dict[str, Any]:
-        """The sampling seed, and each rank's batches generated ahead and not yet trained on
-        (waits for them) with the trainer's fingerprints of their versions. A collective:
-        Lightning asks every rank and writes rank 0's."""
-        state: dict[str, Any] = {"base_seed": self._base_seed}
+        """The sampling seed, the group size and sampling settings (to say what a resume
+        changes), and each rank's batches generated ahead and not yet trained on (waits for
+        them) with the trainer's fingerprints of their versions. A collective: Lightning asks
+        every rank and writes rank 0's."""
+        state: dict[str, Any] = {
+            "base_seed": self._base_seed,
+            "group_size": self.group_size,
+            "sampling": asdict(self.sampling),
+        }
         if self._background is None and self._stopped is None:
             return state
         pending = self._stopped if self._background is None else self._background.pending_state()
@@ -261,6 +268,9 @@ class RolloutCallback(L.Callback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the seed and the batches generated ahead; a group size or sampling setting
+        other than the checkpoint's is honoured (one line each), and batches generated ahead
+        under the checkpoint's are generated again."""
         if self.sampling.seed is None and state_dict.get("base_seed") is not None:
             self._base_seed = int(state_dict["base_seed"])  # the run's drawn seed, kept
         pending = state_dict.get("pending", {})
@@ -270,8 +280,26 @@ class RolloutCallback(L.Callback):
             self._fingerprints.update(mine["fingerprints"])
         else:  # a checkpoint of one process, before per-rank entries
             self._restored = pending
+        changed = self._setting_changes(state_dict)
+        if changed and self._restored:
+            changed.append(
+                f"the {len(self._restored)} batches generated ahead under the checkpoint's "
+                "settings are generated again"
+            )
+            self._restored = {}
+        Differences(changed, []).report()
         if self._background is not None:
             self._background.restore_state(self._restored)
+
+    def _setting_changes(self, state_dict: dict[str, Any]) -> list[str]:
+        lines = []
+        if "group_size" in state_dict and state_dict["group_size"] != self.group_size:
+            lines.append(resume_line("group_size", self.group_size, state_dict["group_size"]))
+        saved, mine = state_dict.get("sampling") or {}, asdict(self.sampling)
+        for key in sorted(set(saved) & set(mine)):
+            if not same(saved[key], mine[key]):
+                lines.append(resume_line(f"sampling {key}", mine[key], saved[key]))
+        return lines
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._background is not None:

@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from composer_lightning.chat import problem_messages, tokenize_prompt
 from composer_lightning.datamodules.jsonl import read_jsonl_lines, stream_positions
 from composer_lightning.distributed import data_parallel
+from composer_lightning.resume import Differences
+from composer_lightning.resume import line as resume_line
 from composer_lightning.tasks import Task, get_task
 from composer_lightning.tasks.base import Problem
 from composer_lightning.validation import is_heldout
@@ -228,7 +230,20 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "seed": self.seed}
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "prompts_per_step": self.prompts_per_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved stream position (in prompt batches); a seed or
+        prompts_per_step other than the checkpoint's is honoured, one line each (the stream
+        then differs from the checkpoint's from here on)."""
         self.consumed = int(state["consumed"])
+        lines = [
+            resume_line(f"data {key}", getattr(self, key), state[key])
+            for key in ("seed", "prompts_per_step")
+            if key in state and state[key] != getattr(self, key)
+        ]
+        Differences(lines, []).report()
