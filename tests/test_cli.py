@@ -297,3 +297,45 @@ def test_a_misspelt_or_mistyped_nested_key_is_one_short_line(override, message):
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml"), override])
     assert str(exit_.value) == f"composer_lightning: invalid configuration: {message}"
+
+
+def test_a_resume_takes_the_command_lines_settings_and_says_each_difference_in_one_line(
+    tmp_path, monkeypatch, caplog, capsys
+):
+    """`--ckpt_path` with a changed lr and group size: both are used, one line each (not the
+    checkpoint's stored lr); what cannot be honoured is one line before the fit starts. The
+    first run shows `default_root_dir` moving a run whose YAML logger has `save_dir: runs`."""
+    from composer_lightning.cli import main
+
+    monkeypatch.chdir(ROOT)
+    config = ["fit", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml")]
+    first, second = tmp_path / "first", tmp_path / "second"
+    main([*config, "--trainer.max_steps=1", f"--trainer.default_root_dir={first}"])
+    assert (
+        f"composer_lightning: trainer.default_root_dir '{first}' wins over the logger's save_dir "
+        f"'runs': logs and checkpoints go under {first}\n"
+    ) in capsys.readouterr().out
+    ckpt = first / "tiny_cpu_hf" / "version_0" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
+    resume = [*config, f"--ckpt_path={ckpt}", f"--trainer.default_root_dir={second}"]
+    with caplog.at_level("WARNING"):
+        main(
+            [
+                *resume,
+                "--trainer.max_steps=2",
+                "--model.optimizer.init_args.lr=3e-4",
+                "--rollout.init_args.group_size=2",
+            ]
+        )
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("composer_lightning")]
+    assert "resuming with lr 0.0003 (the checkpoint was trained with 0.0001)" in lines
+    assert "resuming with group_size 2 (the checkpoint was trained with 4)" in lines
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main([*resume, "--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1"])
+    assert str(exit_.value) == (
+        "composer_lightning: invalid configuration: cannot resume from this checkpoint with this "
+        "configuration: optimizer torch.optim.SGD (the checkpoint was trained with "
+        "torch.optim.AdamW, whose saved state means nothing to another class)"
+    )
+    assert "composer_lightning: policy" not in capsys.readouterr().out  # the fit never started
