@@ -7,7 +7,6 @@ import random
 
 import lightning as L
 import pytest
-import torch
 
 from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
@@ -18,14 +17,13 @@ from composer_lightning.inputs import context_length
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule
 from composer_lightning.tasks import Task, Verdict
-from tests.helpers import tiny_model
 
 POLICY = tiny_policy_path()
 
 
 def _fit(module, dm, steps=1):
     """Fit; whatever it raises is raised with `.engine_started` set on it."""
-    engine = HFEngine(model_path=POLICY, seed=0)
+    engine = HFEngine(seed=0)  # follows the policy's directory
     cb = RolloutCallback(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0))
     trainer = L.Trainer(
         max_steps=steps,
@@ -43,8 +41,21 @@ def _fit(module, dm, steps=1):
         raise
 
 
-def test_a_tokenizer_with_more_ids_than_the_policy_has_embedding_rows_is_one_line_at_setup():
-    module = ComposerModule(tiny_model(torch.float32, vocab_size=64), [DrGRPOHead()])
+def test_a_tokenizer_with_more_ids_than_the_policy_has_embedding_rows_is_one_line_at_setup(
+    tmp_path,
+):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        max_position_embeddings=256,
+    )
+    LlamaForCausalLM(small).save_pretrained(tmp_path)
+    module = ComposerModule(str(tmp_path), [DrGRPOHead()])
     dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=2, val_prompts=0)
     with pytest.raises(ConfigError) as err:
         _fit(module, dm)
