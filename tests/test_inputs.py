@@ -70,17 +70,17 @@ def test_a_prompt_file_line_too_long_for_the_engine_is_one_line_at_setup_naming_
     tmp_path,
 ):
     path = tmp_path / "prompts.jsonl"
-    lines = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "1 + " * 200, "answer": 2}]
+    # 253 tokens: within the context of 256 alone, not with max_tokens 6
+    lines = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "1 + " * 83, "answer": 2}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     dm = RolloutDataModule(
         tokenizer=POLICY, task="arithmetic", prompt_file=str(path), prompts_per_step=1
     )
-    with pytest.raises(ConfigError, match=r"^prompt .*prompts.jsonl:2 has \d+ tokens") as err:
+    with pytest.raises(ConfigError) as err:
         _fit(ComposerModule(POLICY, [DrGRPOHead()]), dm)
     assert not err.value.engine_started
-    n = int(str(err.value).split(" has ")[1].split()[0])
     assert str(err.value) == (
-        f"prompt {path}:2 has {n} tokens: with max_tokens 6 it needs {n + 6} positions, more "
+        f"prompt {path}:2 has 253 tokens: with max_tokens 6 it needs 259 positions, more "
         f"than the engine's context of 256 (max_position_embeddings of {POLICY}); shorten the "
         "prompt or lower sampling.max_tokens"
     )
