@@ -15,6 +15,7 @@ it is the same on every rank (rank r's batch i is a function of the seed, i and 
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
 from typing import Any
@@ -22,7 +23,10 @@ from typing import Any
 import torch
 
 from composer_lightning.distributed import own, per_rank, world
+from composer_lightning.errors import ConfigError
 from composer_lightning.heads.base import Head
+
+log = logging.getLogger(__name__)
 
 
 def save_state(policy_version: int, heads: list[Head]) -> dict[str, Any]:
@@ -36,41 +40,76 @@ def save_state(policy_version: int, heads: list[Head]) -> dict[str, Any]:
     return {"policy_version": policy_version, "ranks": per_rank(mine)}
 
 
-def load_state(state: dict[str, Any], heads: list[Head]) -> tuple[int, dict[str, Any] | None]:
+def load_state(
+    state: dict[str, Any], heads: list[Head], allow_head_changes: bool = False
+) -> tuple[int, dict[str, Any] | None]:
     """Restore this rank's heads from what `save_state` saved.
 
     Also reads the layout of checkpoints written before state was saved per rank (`heads` and
     `rng` at the top): every rank restores that one state, which is exact for one process.
-    Resuming with other heads than the checkpoint's warns, naming the state that is dropped.
+
+    Args:
+        allow_head_changes: resuming with other heads than the checkpoint's drops the saved
+            state of the heads removed and starts the added ones fresh (one warning line);
+            without it, that is a `ConfigError`.
 
     Returns:
         The policy version, and this rank's RNG states for `set_rng_state` (None if none saved).
 
     Raises:
-        ConfigError: the checkpoint was written by another number of ranks.
+        ConfigError: the checkpoint was written by another number of ranks, or holds other
+            heads than `heads` (unless `allow_head_changes`).
     """
-    if "ranks" in state:
-        mine = own(state["ranks"])
-    else:
-        mine = state
-        if "heads" in state and world()[1] > 1:
-            warnings.warn(
-                "this checkpoint holds one rank's head and RNG state (it predates per-rank "
-                "state): every rank resumes from it",
-                stacklevel=3,
-            )
-    saved, names = mine.get("heads", {}), {h.name for h in heads}
-    dropped, fresh = sorted(set(saved) - names), sorted(names - set(saved))
+    mine = _own_state(state)
+    saved = mine.get("heads", {})
+    dropped, fresh = head_changes(state, heads)
     if dropped or fresh:
-        warnings.warn(
-            f"resuming with other heads than the checkpoint's: the saved state of "
-            f"{dropped} is dropped, {fresh} start fresh",
-            stacklevel=3,
-        )
+        if not allow_head_changes:
+            raise ConfigError(head_change_message(dropped, fresh))
+        if world()[0] == 0:
+            log.warning(
+                "resuming with other heads than the checkpoint's (allow_head_changes): the saved "
+                "state of %s is dropped, %s start fresh",
+                dropped,
+                fresh,
+            )
     for head in heads:
         if head.name in saved:
             head.load_state_dict(saved[head.name])
     return int(state.get("policy_version", 0)), mine.get("rng")
+
+
+def _own_state(state: dict[str, Any]) -> dict[str, Any]:
+    if "ranks" in state:
+        return own(state["ranks"])
+    if "heads" in state and world()[1] > 1:
+        warnings.warn(
+            "this checkpoint holds one rank's head and RNG state (it predates per-rank "
+            "state): every rank resumes from it",
+            stacklevel=4,
+        )
+    return state
+
+
+def head_changes(state: dict[str, Any], heads: list[Head]) -> tuple[list[str], list[str]]:
+    """The names of the checkpoint's heads `heads` lacks, and of `heads` it lacks (none when
+    the checkpoint holds no head state at all). Every rank has the same heads: the first
+    rank's entry is read, so this runs before the ranks exist too."""
+    mine = state["ranks"][0] if state.get("ranks") else state
+    if "heads" not in mine:  # nothing of this module's saved: nothing to compare
+        return [], []
+    saved, names = set(mine["heads"]), {h.name for h in heads}
+    return sorted(saved - names), sorted(names - saved)
+
+
+def head_change_message(dropped: list[str], fresh: list[str]) -> str:
+    """What resuming with other heads would do, and the option that allows it."""
+    parts = [f"the saved state of head(s) {dropped} would be dropped"] if dropped else []
+    parts += [f"head(s) {fresh} would start fresh"] if fresh else []
+    return (
+        f"other heads than the checkpoint's: {' and '.join(parts)}; resume with the "
+        "checkpoint's heads, or set model.allow_head_changes=true to allow it"
+    )
 
 
 def rng_state() -> dict[str, Any]:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import os
 import pickle
+import re
 import sys
 import warnings
+from typing import Any
 
 from composer_lightning.heads import registry
 
@@ -68,6 +73,49 @@ def run_summary(module, trainer) -> str:
     )
 
 
+def refuse_resume(trainer: Any, module: Any, ckpt_path: str | None) -> None:
+    """The `ConfigError` of what a resume from `ckpt_path` cannot honour (`resume.py`), raised
+    before the fit starts; nothing for a fresh run or a checkpoint that is not one file."""
+    if (
+        not ckpt_path
+        or not os.path.isfile(ckpt_path)
+        or not callable(getattr(module, "resume_differences", None))
+    ):
+        return
+    checkpoint = trainer.strategy.checkpoint_io.load_checkpoint(ckpt_path, map_location="cpu")
+    module.resume_differences(checkpoint, trainer.world_size).raise_refused()
+
+
+def one_run_dir(trainer: Any) -> str | None:
+    """Make the loggers' `save_dir` follow `trainer.default_root_dir` when both are set and
+    differ: checkpoints follow the logger, so a YAML logger's `save_dir: runs` would otherwise
+    keep logs and checkpoints in runs/ whatever `--trainer.default_root_dir` says.
+
+    Args:
+        trainer: the `trainer` section of the parsed configuration (changed in place).
+
+    Returns:
+        The line that says which directory won, or None when nothing was moved.
+    """
+    root = trainer.get("default_root_dir") if trainer is not None else None
+    if not root:
+        return None
+    loggers = trainer.get("logger")
+    moved = []
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        args = getattr(logger, "init_args", None)
+        save_dir = getattr(args, "save_dir", None) if args is not None else None
+        if save_dir is not None and os.path.abspath(str(save_dir)) != os.path.abspath(str(root)):
+            moved.append(str(save_dir))
+            args.save_dir = root
+    if not moved:
+        return None
+    return (
+        f"trainer.default_root_dir {root!r} wins over the logger's save_dir "
+        f"{', '.join(map(repr, moved))}: logs and checkpoints go under {root}"
+    )
+
+
 def _help_formatter() -> type:
     """jsonargparse's help, with lists of "known subclasses" cut to a few names: a `nn.Module`
     argument would otherwise list every module class torch defines (hundreds of lines)."""
@@ -89,13 +137,87 @@ def _help_formatter() -> type:
 
 
 def _one_line(error: BaseException) -> str:
-    """A parser or constructor error as one line: for a value that matched none of a union's
-    types (e.g. `class_path | None`), the errors of the types it was meant to be."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    causes = [line[2:] for line in lines if line.startswith("- ") and "NoneType" not in line]
-    if lines and lines[0].startswith("Does not validate against any of the Union") and causes:
-        return "; ".join(causes)
-    return " ".join(lines)
+    """A parser or constructor error as one line.
+
+    jsonargparse reports a value nested in classes and unions as a tree (each union's
+    alternatives, `NoneType` among them, with type dumps); the line keeps the innermost errors,
+    each after the dotted key it is about (`rollout.sampling: ...`), and turns "Option 'x' is
+    not accepted" into the keys the class does accept."""
+    leaves = _error_leaves(str(error))
+    if not leaves:
+        return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    by_key: dict[str, list[str]] = {}
+    for key, class_path, message in leaves:
+        text = _unknown_key(message, class_path) or (
+            f"{class_path}: {message}" if class_path else message
+        )
+        if text not in by_key.setdefault(key, []):
+            by_key[key].append(text)
+    return "; ".join(f"{key}: {'; '.join(m)}" if key else "; ".join(m) for key, m in by_key.items())
+
+
+_PARSER_KEY = re.compile(r'^Parser key "([^"]+)":$')
+_CLASS_PATH = re.compile(r"^Problem with given class_path '([^']+)':$")
+_NOISE = (
+    "Does not validate against any of the Union",
+    "Subtypes:",
+    "Errors:",
+    "Given value",
+    "Expected a <class 'NoneType'>",
+)
+
+
+def _error_leaves(text: str) -> list[tuple[str, str | None, str]]:
+    """`(dotted key, class_path, message)` of each innermost error of jsonargparse's tree;
+    `class_path` is the class the error is about (a class with an error of its own, not one
+    of its keys), else None."""
+    stack: list[tuple[int, str, str]] = []  # (indent, "key" | "class", value)
+    leaves = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        indent = len(raw) - len(raw.lstrip())
+        if line.startswith("- "):
+            line, indent = line[2:], indent + 2
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        for kind, pattern in (("key", _PARSER_KEY), ("class", _CLASS_PATH)):
+            match = pattern.match(line)
+            if match:
+                stack.append((indent, kind, match.group(1)))
+                break
+        else:
+            if not line.startswith(_NOISE):
+                key = ".".join(v for _, kind, v in stack if kind == "key")
+                about = stack[-1][2] if stack and stack[-1][1] == "class" else None
+                leaves.append((key, about, line))
+    return leaves
+
+
+def _unknown_key(message: str, class_path: str | None) -> str | None:
+    """ "unknown key 'temprature' (did you mean 'temperature'?); SamplingConfig takes ..." for
+    jsonargparse's "Option 'temprature' is not accepted", else None."""
+    match = re.search(r"Option '([^']+)' is not accepted", message)
+    if match is None:
+        return None
+    key = match.group(1)
+    inline = re.search(r"class_path='([^']+)'", message)
+    class_path = inline.group(1) if inline else class_path
+    try:
+        module, _, name = (class_path or "").rpartition(".")
+        params = [
+            p.name
+            for p in inspect.signature(
+                getattr(importlib.import_module(module), name)
+            ).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return f"unknown key {key!r}"
+    close = difflib.get_close_matches(key, params, n=1)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r}{guess}; {name} takes {', '.join(params)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     import lightning as L
     from jsonargparse import ArgumentError
     from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.utilities import rank_zero_only
 
     from composer_lightning.callbacks.curves import Curves
     from composer_lightning.callbacks.progress import StepProgress
@@ -140,9 +263,24 @@ def main(argv: list[str] | None = None) -> int:
             return super()._instantiate_trainer(config, [c for c in callbacks if c is not None])
 
         def before_fit(self) -> None:
+            # what cannot be honoured is said before any engine starts
+            refuse_resume(self.trainer, self.model, self.config.fit.get("ckpt_path"))
             # one line instead of Lightning's model summary table
             if self.trainer.is_global_zero:
                 print(run_summary(self.model, self.trainer), flush=True)
+
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI would replace the `model:` section with the checkpoint's
+            # hyper-parameters, silently ignoring a changed lr or head list: a resumed fit is
+            # built from its own configuration and compared with the checkpoint (`resume.py`)
+            if self.config.get("subcommand") != "fit":
+                super()._parse_ckpt_path()
+
+        def before_instantiate_classes(self) -> None:
+            section = self.config.get(str(self.subcommand)) if self.subcommand else self.config
+            say = one_run_dir(section.get("trainer") if section is not None else None)
+            if say and rank_zero_only.rank == 0:
+                print(f"composer_lightning: {say}", flush=True)
 
         def _run_name(self) -> str:
             files = (self.config.get(str(self.subcommand), self.config) or {}).get("config") or []

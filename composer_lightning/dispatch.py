@@ -3,6 +3,12 @@
 The dispatch is a pure decision per sample (DESIGN.md): a usable score gives `has_reward`, an
 accepted hint `has_teacher`; a sample with neither is dropped. Counts of each path are logged
 as `dispatch/...`.
+
+Score and hint providers fail per sample, alike: a provider call that raises as a whole, or
+returns a value that is not a score (a finite number or None) or a hint (a string or None), is
+a failure of the samples concerned — one warning line each, counted in
+`rollout/score_failures` / `rollout/hint_failures`, one summary line per step — never a crashed
+batch (unless every score failed: `ScoringError`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from composer_lightning.chat import TraceSample, problem_messages, single_turn_t
 from composer_lightning.datamodules.packing import pack_samples
 from composer_lightning.engines.base import Completion
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
+from composer_lightning.tasks.calls import BadValue, as_hint, as_reward
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,69 @@ def dispatch(has_reward: list[bool], has_teacher: list[bool]) -> tuple[list[int]
         "dispatch/dropped": float(len(both) - len(keep)),
     }
     return keep, counts
+
+
+def provider_values(
+    provider: ScoreProvider | HintProvider,
+    kind: str,
+    problems: list[dict[str, Any]],
+    completions: list[str],
+) -> tuple[list[Any], int]:
+    """A provider's scores (`kind="score"`) or hints (`kind="hint"`) of one batch, checked.
+
+    Returns:
+        One value per sample (None where it failed), and the number of failed samples: those
+        the provider counted in its `failures` (reset here), plus every sample of a call that
+        raised or returned the wrong number of values, plus each value of the wrong type.
+    """
+    n, name = len(problems), type(provider).__name__
+    call = provider.score if kind == "score" else provider.hints
+    try:
+        values = list(call(problems, completions))
+    except Exception as exc:  # a broken provider fails its samples, not the run
+        log.warning(
+            "%s provider %s raised on the whole batch (no sample gets a %s): %s: %s",
+            kind,
+            name,
+            kind,
+            type(exc).__name__,
+            exc,
+        )
+        values = [None] * n
+        failed = n
+    else:
+        failed = 0
+        if len(values) != n:
+            log.warning(
+                "%s provider %s returned %d values for %d samples (no sample gets a %s)",
+                kind,
+                name,
+                len(values),
+                n,
+                kind,
+            )
+            values, failed = [None] * n, n
+    failed = max(failed, min(n, int(getattr(provider, "failures", 0) or 0)))
+    if getattr(provider, "failures", 0):
+        provider.failures = 0
+    convert = as_reward if kind == "score" else as_hint
+    out = []
+    for i, value in enumerate(values):
+        try:
+            out.append(None if value is None else convert(value))
+        except BadValue as exc:
+            failed += 1
+            log.warning(
+                "%s provider %s returned %s on sample %d, expected %s (it gets no %s)",
+                kind,
+                name,
+                exc.got,
+                i,
+                exc.expected,
+                kind,
+            )
+            out.append(None)
+    return out, min(failed, n)
 
 
 def rollout_sample(
@@ -81,10 +151,13 @@ def build_rollout(
     flat = [(i, c) for i, group in enumerate(outs) for c in group]
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
     flat_problems = [problems[i] for i, _ in flat]
-    scores = score.score(flat_problems, texts)
-    hints = hint.hints(flat_problems, texts) if hint is not None else [None] * len(flat)
-    failures = getattr(score, "failures", 0)
-    ScoringError.raise_if_all_failed(scores, min(failures, len(scores)))
+    scores, failures = provider_values(score, "score", flat_problems, texts)
+    hints, hint_failures = (
+        provider_values(hint, "hint", flat_problems, texts)
+        if hint is not None
+        else ([None] * len(flat), 0)
+    )
+    ScoringError.raise_if_all_failed(scores, failures)
     keep, counts = dispatch([s is not None for s in scores], [h is not None for h in hints])
     if not keep:
         raise ScoringError(
@@ -114,14 +187,17 @@ def build_rollout(
         }
         for k in range(0, len(flat), group_size)
     ][:samples_per_step]
-    if failures:
-        log.warning(
-            "rollout batch %s: %d of %d score calls failed (one line each above); those samples "
-            "get no reward",
-            batch["index"],
-            failures,
-            len(flat),
-        )
+    for kind, count in (("score", failures), ("hint", hint_failures)):
+        if count:
+            log.warning(
+                "rollout batch %s: %d of %d %s calls failed (one line each above); those "
+                "samples get no %s",
+                batch["index"],
+                count,
+                len(flat),
+                kind,
+                "reward" if kind == "score" else "hint",
+            )
     lengths = [len(c.token_ids) for _, c in flat]
     rewarded = torch.tensor([s for s in scores if s is not None], dtype=torch.float)
     metrics = {
@@ -132,7 +208,7 @@ def build_rollout(
         "rollout/response_length_max": float(max(lengths)),
         "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
         "rollout/score_failures": float(failures),
-        "rollout/hint_failures": float(getattr(hint, "failures", 0)),
+        "rollout/hint_failures": float(hint_failures),
         "rollout/judge_truncated": float(
             getattr(score, "truncated", 0) + getattr(hint, "truncated", 0)
         ),
@@ -140,7 +216,6 @@ def build_rollout(
         "_rewarded": float(len(rewarded)),
     }
     for provider in (score, hint):  # counts are per step
-        for count in ("failures", "truncated"):
-            if getattr(provider, count, 0):
-                setattr(provider, count, 0)
+        if getattr(provider, "truncated", 0):
+            provider.truncated = 0
     return rollout, metrics, rows

@@ -139,12 +139,21 @@ def own(saved: list[object]) -> object:
         ConfigError: (a ValueError) the checkpoint was written by a different number of ranks.
     """
     rank, size = world()
-    if len(saved) != size:
-        raise ConfigError(
-            f"the checkpoint holds per-rank state of {len(saved)} ranks, this run has {size}: "
-            "resume with the same number of ranks"
-        )
+    problem = rank_mismatch(saved, size)
+    if problem:
+        raise ConfigError(problem)
     return saved[rank]
+
+
+def rank_mismatch(saved: list[object] | None, world_size: int) -> str | None:
+    """What `own` refuses: a `per_rank` list of another length than `world_size` (None: no
+    per-rank state, nothing to refuse)."""
+    if saved is None or len(saved) == world_size:
+        return None
+    return (
+        f"the checkpoint holds per-rank state of {len(saved)} ranks, this run has {world_size}: "
+        "resume with the same number of ranks"
+    )
 
 
 def _reduce(per_rank: list[dict[str, tuple[Kind, float, float]]]) -> dict[str, float]:

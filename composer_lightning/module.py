@@ -30,11 +30,13 @@ from composer_lightning.canary import (
 from composer_lightning.checkpoint import (
     LOOP_SETTINGS,
     check_loop_settings,
+    head_change_message,
+    head_changes,
     load_state,
     save_state,
     set_rng_state,
 )
-from composer_lightning.distributed import StepMetrics, agree, full
+from composer_lightning.distributed import StepMetrics, agree, full, rank_mismatch, world
 from composer_lightning.forward import rollout_targets, step_context
 from composer_lightning.heads.base import Head
 from composer_lightning.models.loading import (
@@ -45,6 +47,13 @@ from composer_lightning.models.loading import (
 )
 from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
+from composer_lightning.resume import (
+    ConfiguredOptimizer,
+    Differences,
+    differences,
+    keep_frozen,
+    policy_mismatch,
+)
 from composer_lightning.step import RolloutTargets, StepContext
 from composer_lightning.steplog import log_step
 from composer_lightning.validation import log_validation
@@ -88,6 +97,10 @@ class ComposerModule(L.LightningModule):
         activation_checkpointing: keep only each decoder layer's input for the backward and
             recompute the rest (HF gradient checkpointing): far less activation memory for
             about one more forward of the layers.
+        allow_head_changes: resuming from a checkpoint with heads added or removed drops the
+            removed heads' saved state and starts the added ones fresh; False (default) makes
+            that a configuration error. Other differences from the checkpoint's configuration
+            are honoured or refused as `resume.py` says.
     """
 
     def __init__(
@@ -114,6 +127,7 @@ class ComposerModule(L.LightningModule):
         importance_cap: float | None = 2.0,
         chunk_size: int | None = None,
         activation_checkpointing: bool = False,
+        allow_head_changes: bool = False,
     ):
         super().__init__()
         live = dict(policy=policy, heads=heads, reference=reference, teacher=teacher)
@@ -143,7 +157,10 @@ class ComposerModule(L.LightningModule):
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
         self.max_grad_norm, self.max_logprob_gap = max_grad_norm, max_logprob_gap
         self.policy_version = 0
+        self.allow_head_changes = allow_head_changes
         self._restored_rng: dict[str, Any] | None = None
+        self._configured: ConfiguredOptimizer | None = None  # as built, before a checkpoint's
+        self._resumed_scheduler: bool | None = None  # set on resume: the checkpoint has one
         self.val_metrics = nn.ModuleDict()  # `val/...` means, filled by validation_step
 
     @property
@@ -165,10 +182,13 @@ class ComposerModule(L.LightningModule):
         return [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:
-        opt = self.optimizer_factory(self.policy.parameters())
-        if self.lr_scheduler_factory is None:
-            return opt
-        return {"optimizer": opt, "lr_scheduler": self.lr_scheduler_factory(opt)}
+        opt, sched = self._optimizer_and_scheduler(self.policy.parameters())
+        self._configured = ConfiguredOptimizer.of(opt, sched)
+        return opt if sched is None else {"optimizer": opt, "lr_scheduler": sched}
+
+    def _optimizer_and_scheduler(self, params: Any) -> tuple[torch.optim.Optimizer, Any]:
+        opt = self.optimizer_factory(params)
+        return opt, None if self.lr_scheduler_factory is None else self.lr_scheduler_factory(opt)
 
     # ----------------------------------------------------------------- the public seams
     def rollout_targets(
@@ -268,10 +288,33 @@ class ComposerModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["composer"] = save_state(self.policy_version, self.heads)  # a collective
 
+    def resume_differences(self, checkpoint: dict[str, Any], world_size: int) -> Differences:
+        """How this module's configuration differs from the one `checkpoint` was trained with
+        on `world_size` ranks: the lines of what is honoured, the phrases of what is refused
+        (`resume.py`)."""
+        found = differences(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
+        for problem in (
+            policy_mismatch(checkpoint, self.policy),
+            rank_mismatch(checkpoint.get("composer", {}).get("ranks"), world_size),
+        ):
+            if problem:
+                found.refused.append(problem)
+        dropped, fresh = head_changes(checkpoint.get("composer", {}), self.heads)
+        if (dropped or fresh) and not self.allow_head_changes:
+            found.refused.append(head_change_message(dropped, fresh))
+        return found
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        found = self.resume_differences(checkpoint, world()[1])
+        found.raise_refused()
+        found.report()
+        keep_frozen(checkpoint, self)
         state = checkpoint.get("composer", {})
-        self.policy_version, self._restored_rng = load_state(state, self.heads)
+        self.policy_version, self._restored_rng = load_state(
+            state, self.heads, self.allow_head_changes
+        )
         set_rng_state(self._restored_rng)
+        self._resumed_scheduler = bool(checkpoint.get("lr_schedulers"))
 
     def on_train_start(self) -> None:
         # Lightning restores a checkpoint before the strategy's setup and the train loader's
@@ -279,3 +322,16 @@ class ComposerModule(L.LightningModule):
         # after a resume draws what the uninterrupted run drew.
         set_rng_state(self._restored_rng)
         self._restored_rng = None
+        if self._resumed_scheduler is not None and self._configured is not None:
+            # the optimizer now holds the checkpoint's settings: the configured ones win
+            lines = self._configured.restore(
+                self.optimizers(use_pl_optimizer=False),
+                self.lr_schedulers(),
+                lambda: self._optimizer_and_scheduler(
+                    [nn.Parameter(torch.empty((0,) * p.ndim)) for p in self.policy.parameters()]
+                ),
+                self.policy_version,
+                self._resumed_scheduler,
+            )
+            Differences(lines, []).report()
+            self._resumed_scheduler = None

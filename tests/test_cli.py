@@ -249,15 +249,93 @@ def test_duplicate_head_names_are_one_line(tmp_path):
     assert "invalid configuration: duplicate head names ['same']" in out.stderr, out.stderr[-2000:]
 
 
-def test_resuming_with_other_heads_warns_naming_the_dropped_state():
+def test_resuming_with_other_heads_is_one_error_unless_allowed_then_one_warning(caplog):
+    from composer_lightning.errors import ConfigError
     from composer_lightning.heads.sdpo import SDPOHead
 
     checkpoint: dict = {}
     _module().on_save_checkpoint(checkpoint)  # dr_grpo + replay_dpo (a buffer)
-    other = ComposerModule(
-        tiny_model(torch.float32), [DrGRPOHead(), SDPOHead()], max_logprob_gap=None
+
+    def other(**kw):
+        heads = [DrGRPOHead(), SDPOHead()]
+        return ComposerModule(tiny_model(torch.float32), heads, max_logprob_gap=None, **kw)
+
+    with pytest.raises(ConfigError) as err:
+        other().on_load_checkpoint(checkpoint)
+    assert str(err.value) == (
+        "cannot resume from this checkpoint with this configuration: other heads than the "
+        "checkpoint's: the saved state of head(s) ['replay_dpo'] would be dropped and head(s) "
+        "['sdpo'] would start fresh; resume with the checkpoint's heads, or set "
+        "model.allow_head_changes=true to allow it"
     )
-    with pytest.warns(
-        UserWarning, match=r"the saved state of \['replay_dpo'\] is dropped, \['sdpo'\] start fresh"
-    ):
-        other.on_load_checkpoint(checkpoint)
+    with caplog.at_level("WARNING"):
+        other(allow_head_changes=True).on_load_checkpoint(checkpoint)
+    assert [r.getMessage() for r in caplog.records] == [
+        "resuming with other heads than the checkpoint's (allow_head_changes): the saved state "
+        "of ['replay_dpo'] is dropped, ['sdpo'] start fresh"
+    ]
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "--rollout.sampling.temprature=0.7",
+            "rollout.sampling: unknown key 'temprature' (did you mean 'temperature'?); "
+            "SamplingConfig takes temperature, top_p, top_k, max_tokens, stop_token_ids, seed, "
+            "ignore_eos",
+        ),
+        (
+            "--rollout.sampling.max_tokens=many",
+            "rollout.sampling.max_tokens: Expected a <class 'int'>. Got value: many",
+        ),
+    ],
+)
+def test_a_misspelt_or_mistyped_nested_key_is_one_short_line(override, message):
+    from composer_lightning.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml"), override])
+    assert str(exit_.value) == f"composer_lightning: invalid configuration: {message}"
+
+
+def test_a_resume_takes_the_command_lines_settings_and_says_each_difference_in_one_line(
+    tmp_path, monkeypatch, caplog, capsys
+):
+    """`--ckpt_path` with a changed lr and group size: both are used, one line each (not the
+    checkpoint's stored lr); what cannot be honoured is one line before the fit starts. The
+    first run shows `default_root_dir` moving a run whose YAML logger has `save_dir: runs`."""
+    from composer_lightning.cli import main
+
+    monkeypatch.chdir(ROOT)
+    config = ["fit", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml")]
+    first, second = tmp_path / "first", tmp_path / "second"
+    main([*config, "--trainer.max_steps=1", f"--trainer.default_root_dir={first}"])
+    assert (
+        f"composer_lightning: trainer.default_root_dir '{first}' wins over the logger's save_dir "
+        f"'runs': logs and checkpoints go under {first}\n"
+    ) in capsys.readouterr().out
+    ckpt = first / "tiny_cpu_hf" / "version_0" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
+    resume = [*config, f"--ckpt_path={ckpt}", f"--trainer.default_root_dir={second}"]
+    with caplog.at_level("WARNING"):
+        main(
+            [
+                *resume,
+                "--trainer.max_steps=2",
+                "--model.optimizer.init_args.lr=3e-4",
+                "--rollout.init_args.group_size=2",
+            ]
+        )
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("composer_lightning")]
+    assert "resuming with lr 0.0003 (the checkpoint was trained with 0.0001)" in lines
+    assert "resuming with group_size 2 (the checkpoint was trained with 4)" in lines
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main([*resume, "--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1"])
+    assert str(exit_.value) == (
+        "composer_lightning: invalid configuration: cannot resume from this checkpoint with this "
+        "configuration: optimizer torch.optim.SGD (the checkpoint was trained with "
+        "torch.optim.AdamW, whose saved state means nothing to another class)"
+    )
+    assert "composer_lightning: policy" not in capsys.readouterr().out  # the fit never started

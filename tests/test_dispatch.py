@@ -1,6 +1,12 @@
 """The four-way dispatch as a pure decision (DESIGN.md): a score gives RL, a hint gives OPD."""
 
-from composer_lightning.dispatch import dispatch
+from transformers import AutoTokenizer
+
+from composer_lightning.chat import tokenize_prompt
+from composer_lightning.dispatch import build_rollout, dispatch, provider_values
+from composer_lightning.engines.base import Completion
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.tasks import HintProvider, ScoreProvider, VerifierScore
 
 
 def test_dispatch_keeps_samples_with_a_score_or_a_hint_and_counts_each_path():
@@ -22,4 +28,54 @@ def test_dispatch_keeps_samples_with_a_score_or_a_hint_and_counts_each_path():
             "dispatch/rl_only": 0.0,
             "dispatch/dropped": 0.0,
         },
+    )
+
+
+class _RaisingHints(HintProvider):
+    def hints(self, problems, completions):
+        raise ConnectionError("judge unreachable")
+
+
+class _Scores(ScoreProvider):
+    def __init__(self, values):
+        self.values = values
+
+    def score(self, problems, completions):
+        return list(self.values)
+
+
+def test_a_provider_that_raises_or_returns_bad_values_fails_its_samples_and_is_counted(caplog):
+    with caplog.at_level("WARNING"):
+        assert provider_values(_RaisingHints(), "hint", [{}] * 2, ["a", "b"]) == ([None] * 2, 2)
+        assert provider_values(_Scores([1.0]), "score", [{}] * 2, ["a", "b"]) == ([None] * 2, 2)
+        assert provider_values(_Scores(["1", 0.5]), "score", [{}] * 2, ["a", "b"]) == (
+            [None, 0.5],
+            1,
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        "hint provider _RaisingHints raised on the whole batch (no sample gets a hint): "
+        "ConnectionError: judge unreachable",
+        "score provider _Scores returned 1 values for 2 samples (no sample gets a score)",
+        "score provider _Scores returned str '1' on sample 0, expected a number (bool, int or "
+        "float) (it gets no score)",
+    ]
+
+
+def test_a_raising_hint_provider_leaves_the_batch_to_its_rewards_with_one_summary_line(caplog):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy_path())
+    problems = [{"task": "arithmetic", "prompt": "1+1=", "answer": 2}] * 2
+    batch = {
+        "index": 0,
+        "problems": problems,
+        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
+    }
+    outs = [[Completion(tokenizer.encode("2"), [-0.5], "length")] * 2] * 2
+    with caplog.at_level("WARNING"):
+        rollout, metrics, _ = build_rollout(
+            batch, outs, tokenizer, 4, VerifierScore(), _RaisingHints(), "user", 2, 0
+        )
+    assert metrics["rollout/hint_failures"] == 4 and metrics["dispatch/rl_only"] == 4
+    assert rollout.batch_size == 4 and not rollout.has_teacher.any()
+    assert caplog.records[-1].getMessage() == (
+        "rollout batch 0: 4 of 4 hint calls failed (one line each above); those samples get no hint"
     )

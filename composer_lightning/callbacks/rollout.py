@@ -20,7 +20,7 @@ batch with the trainer's (`engines/fingerprint.py`), exactly.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, Literal
 
 import lightning as L
@@ -50,6 +50,14 @@ from composer_lightning.engines.base import EngineContext, RolloutEngine, Sampli
 from composer_lightning.engines.fingerprint import Fingerprint, FingerprintRecorder
 from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.errors import ConfigError
+from composer_lightning.inputs import (
+    check_minibatches,
+    check_prompt_lengths,
+    check_vocabulary,
+    context_length,
+)
+from composer_lightning.resume import Differences, same
+from composer_lightning.resume import line as resume_line
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, VerifierScore
 from composer_lightning.validation import evaluate
 
@@ -146,6 +154,7 @@ class RolloutCallback(L.Callback):
         self._push_time = 0.0
         self._tp_group: Any = None
         self._base_seed = self.sampling.seed
+        self._context: tuple[int, str] | None = None  # the engine's context length, and whence
 
     # ------------------------------------------------------------------ start and sync
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -157,6 +166,7 @@ class RolloutCallback(L.Callback):
                 f"temperature ({self.sampling.temperature}); log-probs must be those "
                 "of the sampling distribution: set both to the same value"
             )
+        self._check_inputs(trainer, pl_module)
         context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
         tp = self.engine.tensor_parallel_size
         if context.world_size % tp:
@@ -197,6 +207,20 @@ class RolloutCallback(L.Callback):
                 if first <= context.rank < first + tp:
                     self._tp_group = group
 
+    def _check_inputs(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """What `inputs.py` checks, before the engine starts: the tokenizer against the models,
+        the prompts against the engine's context, minibatches against groups."""
+        dm = getattr(trainer, "datamodule", None)
+        if not callable(getattr(dm, "labelled_prompts", None)):
+            return  # a data module of other batches: nothing to check here
+        minibatches = getattr(pl_module, "minibatches", 1)
+        check_minibatches(minibatches, dm.prompts_per_step)
+        models = {name: getattr(pl_module, name, None) for name in ("policy", "teacher")}
+        check_vocabulary(dm.tokenizer, models)
+        self._context = context_length(self.engine, getattr(pl_module, "policy_path", None))
+        if self._context is not None:
+            check_prompt_lengths(dm.labelled_prompts(), self.sampling.max_tokens, self._context)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._push(pl_module)  # also re-syncs a resumed run from the restored weights
 
@@ -226,10 +250,15 @@ class RolloutCallback(L.Callback):
 
     # ------------------------------------------------------------------ overlap state
     def state_dict(self) -> dict[str, Any]:
-        """The sampling seed, and each rank's batches generated ahead and not yet trained on
-        (waits for them) with the trainer's fingerprints of their versions. A collective:
-        Lightning asks every rank and writes rank 0's."""
-        state: dict[str, Any] = {"base_seed": self._base_seed}
+        """The sampling seed, the group size and sampling settings (to say what a resume
+        changes), and each rank's batches generated ahead and not yet trained on (waits for
+        them) with the trainer's fingerprints of their versions. A collective: Lightning asks
+        every rank and writes rank 0's."""
+        state: dict[str, Any] = {
+            "base_seed": self._base_seed,
+            "group_size": self.group_size,
+            "sampling": asdict(self.sampling),
+        }
         if self._background is None and self._stopped is None:
             return state
         pending = self._stopped if self._background is None else self._background.pending_state()
@@ -239,6 +268,9 @@ class RolloutCallback(L.Callback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the seed and the batches generated ahead; a group size or sampling setting
+        other than the checkpoint's is honoured (one line each), and batches generated ahead
+        under the checkpoint's are generated again."""
         if self.sampling.seed is None and state_dict.get("base_seed") is not None:
             self._base_seed = int(state_dict["base_seed"])  # the run's drawn seed, kept
         pending = state_dict.get("pending", {})
@@ -248,8 +280,26 @@ class RolloutCallback(L.Callback):
             self._fingerprints.update(mine["fingerprints"])
         else:  # a checkpoint of one process, before per-rank entries
             self._restored = pending
+        changed = self._setting_changes(state_dict)
+        if changed and self._restored:
+            changed.append(
+                f"the {len(self._restored)} batches generated ahead under the checkpoint's "
+                "settings are generated again"
+            )
+            self._restored = {}
+        Differences(changed, []).report()
         if self._background is not None:
             self._background.restore_state(self._restored)
+
+    def _setting_changes(self, state_dict: dict[str, Any]) -> list[str]:
+        lines = []
+        if "group_size" in state_dict and state_dict["group_size"] != self.group_size:
+            lines.append(resume_line("group_size", self.group_size, state_dict["group_size"]))
+        saved, mine = state_dict.get("sampling") or {}, asdict(self.sampling)
+        for key in sorted(set(saved) & set(mine)):
+            if not same(saved[key], mine[key]):
+                lines.append(resume_line(f"sampling {key}", mine[key], saved[key]))
+        return lines
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._background is not None:
@@ -375,6 +425,10 @@ class RolloutCallback(L.Callback):
         sampling = self._sampling(tokenizer)
         start = time.perf_counter()
         step = int(batch["index"])
+        if self._context is not None:  # a task's prompts: only the first batch was checked
+            prompts = batch["prompt_ids"]
+            where = [(f"{j} of rollout batch {step}", ids) for j, ids in enumerate(prompts)]
+            check_prompt_lengths(where, sampling.max_tokens, self._context)
         if self._background is not None:
             version, outs, gen_time, engine_print = generate_ahead(
                 self._background,

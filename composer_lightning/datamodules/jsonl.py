@@ -22,14 +22,28 @@ def read_jsonl(
         check: returns what is wrong with an object, or None when it is fine.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: a malformed line (`file:line: why`), or no
-            line at all.
+        FileNotFoundError: no such file. ValueError: a malformed line (`file:line: why`: not
+            UTF-8, not JSON, not an object, or what `check` says), or no line at all.
     """
+    return [obj for _, obj in read_jsonl_lines(path, kind, check)]
+
+
+def read_jsonl_lines(
+    path: str, kind: str, check: Callable[[dict[str, Any]], str | None]
+) -> list[tuple[int, dict[str, Any]]]:
+    """`read_jsonl` with each object's line number (from 1), for messages about a line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{kind} file {path!r} does not exist")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded per line, so that bad bytes are placed
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at byte "
+                    f"{err.start + 1} of the line); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -43,7 +57,7 @@ def read_jsonl(
             )
             if problem:
                 raise ValueError(f"{path}:{lineno}: {problem}")
-            out.append(obj)
+            out.append((lineno, obj))
     if not out:
         raise ValueError(f"{kind} file {path!r} holds no {kind}s")
     return out

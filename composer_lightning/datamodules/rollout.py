@@ -18,17 +18,20 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.chat import problem_messages, tokenize_prompt
-from composer_lightning.datamodules.jsonl import read_jsonl, stream_positions
+from composer_lightning.datamodules.jsonl import read_jsonl_lines, stream_positions
 from composer_lightning.distributed import data_parallel
+from composer_lightning.resume import Differences
+from composer_lightning.resume import line as resume_line
 from composer_lightning.tasks import Task, get_task
 from composer_lightning.tasks.base import Problem
 from composer_lightning.validation import is_heldout
 
 
-def read_prompt_file(path: str, task: str | None = None) -> list[dict[str, Any]]:
-    """Problems from a JSONL file: one `{"prompt": ...}` or `{"messages": [...]}` per line,
-    plus the fields its task's verifier reads (a line's `task`, else `task`), checked here so
-    that a missing field is one error naming the file and line, not a failure per rollout."""
+def read_prompt_file(path: str, task: str | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """Problems from a JSONL file, with their line numbers: one `{"prompt": ...}` or
+    `{"messages": [...]}` per line, plus the fields its task's verifier reads (a line's `task`,
+    else `task`), checked here so that a missing field is one error naming the file and line,
+    not a failure per rollout."""
     tasks: dict[str, Task] = {}
 
     def check(obj: dict[str, Any]) -> str | None:
@@ -49,7 +52,7 @@ def read_prompt_file(path: str, task: str | None = None) -> list[dict[str, Any]]
             return f"the {name!r} verifier needs field(s) {missing}; this line has {sorted(obj)}"
         return None
 
-    return read_jsonl(path, "prompt", check)
+    return read_jsonl_lines(path, "prompt", check)
 
 
 class PromptStream(IterableDataset):
@@ -101,9 +104,8 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         self.tokenizer_path, self.task_name, self.prompt_file = tokenizer, task, prompt_file
         self.task: Task | None = get_task(task, **(task_args or {})) if task is not None else None
-        self.file_problems = (
-            read_prompt_file(prompt_file, task) if prompt_file is not None else None
-        )
+        self._file_lines = read_prompt_file(prompt_file, task) if prompt_file is not None else []
+        self.file_problems = [p for _, p in self._file_lines] if prompt_file is not None else None
         self.prompts_per_step, self.seed = prompts_per_step, seed
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -203,6 +205,17 @@ class RolloutDataModule(L.LightningDataModule):
         ]
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
+    def labelled_prompts(self) -> Iterator[tuple[str, list[int]]]:
+        """`(where, prompt ids)` of the prompts to check before training: every line of the
+        prompt file (`file:line`), or the task's first prompt batch."""
+        if self.file_problems is not None:
+            for line, problem in self._file_lines:
+                yield f"{self.prompt_file}:{line}", tokenize_prompt(self.tokenizer, problem)
+            return
+        batch = self.prompt_batch(self.consumed)
+        for j, ids in enumerate(batch["prompt_ids"]):
+            yield f"{j} of rollout batch {batch['index']} (task {self.task_name})", ids
+
     def prompt_batch(self, index: int) -> dict[str, Any]:
         problems = self.problems(index)
         return {
@@ -217,7 +230,20 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "seed": self.seed}
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "prompts_per_step": self.prompts_per_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved stream position (in prompt batches); a seed or
+        prompts_per_step other than the checkpoint's is honoured, one line each (the stream
+        then differs from the checkpoint's from here on)."""
         self.consumed = int(state["consumed"])
+        lines = [
+            resume_line(f"data {key}", getattr(self, key), state[key])
+            for key in ("seed", "prompts_per_step")
+            if key in state and state[key] != getattr(self, key)
+        ]
+        Differences(lines, []).report()

@@ -2,6 +2,7 @@
 
 from composer_lightning.tasks.arithmetic import Arithmetic
 from composer_lightning.tasks.base import (
+    FunctionHint,
     FunctionScore,
     HintProvider,
     Problem,
@@ -18,6 +19,7 @@ from composer_lightning.tasks.reverse import ReverseDigits
 __all__ = [
     "BUILTIN_TASKS",
     "Arithmetic",
+    "FunctionHint",
     "FunctionScore",
     "HintProvider",
     "LLMJudgeHint",

@@ -6,9 +6,10 @@ plus task fields such as `"answer"`. A `Task` samples problems and verifies comp
 rollout side turns verdicts into scores (`ScoreProvider`) and hints (`HintProvider`), the two
 inputs of the four-way dispatch (DESIGN.md).
 
-Provider failures are per sample: a reward function that raises gives `None` for that sample
-(counted in `provider.failures`), never a crashed batch. Whether "every sample failed" is an
-error is the caller's decision; `ScoringError.raise_if_all_failed` makes it a clear one.
+Provider failures are per sample: a reward function that raises, returns something that is not
+a number, or runs past its timeout (`tasks/calls.py`) gives `None` for that sample (counted in
+`provider.failures`), never a crashed or stuck batch. Whether "every sample failed" is an error
+is the caller's decision; `ScoringError.raise_if_all_failed` makes it a clear one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from composer_lightning.tasks.calls import BadValue, as_hint, as_reward, call_each, check_timeout
+
 logger = logging.getLogger(__name__)
+
+#: Seconds one reward, verifier or hint call may take by default before its sample fails.
+DEFAULT_TIMEOUT = 60.0
 
 Problem = dict[str, Any]
 
@@ -115,12 +121,15 @@ def _check_lengths(problems: Sequence[Any], completions: Sequence[Any]) -> None:
 class _VerifierBase:
     """Shared lookup of a problem's verifier and per-sample failure accounting."""
 
-    def __init__(self, task: Task | str | None = None) -> None:
+    _consequence = "it gets no score/hint"
+
+    def __init__(self, task: Task | str | None = None, timeout: float | None = DEFAULT_TIMEOUT):
         if isinstance(task, str):
             from composer_lightning.tasks.registry import get_task
 
             task = get_task(task)
         self.task = task
+        self.timeout = check_timeout(timeout, type(self).__name__)
         self.failures = 0
         self._cache: dict[str, Task] = {}
 
@@ -138,30 +147,41 @@ class _VerifierBase:
             self._cache[name] = get_task(name)
         return self._cache[name]
 
+    def _verify(self, problem: Problem, completion: str) -> Verdict:
+        return self._task_for(problem).verify(problem, completion)
+
     def _verdicts(self, problems: list[Problem], completions: list[str]) -> list[Verdict | None]:
         _check_lengths(problems, completions)
-        out: list[Verdict | None] = []
-        for i, (problem, completion) in enumerate(zip(problems, completions, strict=True)):
-            try:
-                out.append(self._task_for(problem).verify(problem, completion))
-            except Exception as exc:  # a broken verifier must not crash the batch
-                self.failures += 1
-                logger.warning(
-                    "verifier raised on sample %d (it gets no score/hint): %s: %s",
-                    i,
-                    type(exc).__name__,
-                    exc,
-                )
-                out.append(None)
-        return out
+        verdicts, failures = call_each(
+            self._verify,
+            problems,
+            completions,
+            self.timeout,
+            "verifier",
+            self._consequence,
+            _as_verdict,
+        )
+        self.failures += failures
+        return verdicts
+
+
+def _as_verdict(value: Any) -> Verdict:
+    if not isinstance(value, Verdict):
+        raise BadValue(f"{type(value).__name__} {value!r}", "a Verdict")
+    return value
 
 
 class VerifierScore(_VerifierBase, ScoreProvider):
-    """Scores with the task verifier: always usable unless the verifier raises.
+    """Scores with the task verifier: always usable unless the verifier raises or times out.
 
     Args:
         task: the task (instance, short name or class path); None looks up `problem["task"]`.
+        timeout: seconds one `verify` call may take before its sample gets no score (the call
+            runs on in a background thread, see `tasks/calls.py`); None: no limit, and calls run
+            in the training loop's thread.
     """
+
+    _consequence = "it gets no score"
 
     def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
         return [
@@ -174,7 +194,11 @@ class VerifierHint(_VerifierBase, HintProvider):
 
     Args:
         task: the task (instance, short name or class path); None looks up `problem["task"]`.
+        timeout: seconds one `verify` call may take before its sample gets no hint; None: no
+            limit (see `VerifierScore`).
     """
+
+    _consequence = "it gets no hint"
 
     def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
         return [None if v is None else v.hint for v in self._verdicts(problems, completions)]
@@ -183,43 +207,80 @@ class VerifierHint(_VerifierBase, HintProvider):
 class FunctionScore(ScoreProvider):
     """Scores with a plain reward function `fn(problem, completion) -> float`.
 
-    Any finite reward is used as it is (group advantages need no [0, 1] range); `clip` bounds
-    it when asked. A call that raises or returns a non-finite value gives None for that sample,
-    one warning line, and counts in `failures`.
+    Any finite number (bool, int, float, or a 0-d array of one) is used as it is (group
+    advantages need no [0, 1] range); `clip` bounds it when asked. A call that raises, returns
+    anything else (None, NaN, a string such as "1") or runs past `timeout` gives None for that
+    sample, one warning line, and counts in `failures`.
 
     Args:
         fn: the reward function.
         clip: optional `(low, high)` bounds the rewards are clipped to.
+        timeout: seconds one call may take before its sample gets no score (the call runs on in
+            a background thread, see `tasks/calls.py`); None: no limit, and calls run in the
+            training loop's thread.
     """
 
     def __init__(
-        self, fn: Callable[[Problem, str], float], clip: tuple[float, float] | None = None
+        self,
+        fn: Callable[[Problem, str], float],
+        clip: tuple[float, float] | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         if clip is not None and not clip[0] <= clip[1]:
             raise ValueError(
                 f"FunctionScore: clip must be (low, high) with low <= high, got {clip}"
             )
         self.fn, self.clip = fn, clip
+        self.timeout = check_timeout(timeout, "FunctionScore")
         self.failures = 0
 
     def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
         _check_lengths(problems, completions)
-        out: list[float | None] = []
-        for i, (problem, completion) in enumerate(zip(problems, completions, strict=True)):
-            try:
-                value = float(self.fn(problem, completion))
-                if value != value or value in (float("inf"), float("-inf")):
-                    raise ValueError(f"reward function returned {value}")
-                out.append(
-                    value if self.clip is None else min(self.clip[1], max(self.clip[0], value))
-                )
-            except Exception as exc:
-                self.failures += 1
-                logger.warning(
-                    "reward function raised on sample %d (it gets no score): %s: %s",
-                    i,
-                    type(exc).__name__,
-                    exc,
-                )
-                out.append(None)
-        return out
+        values, failures = call_each(
+            self.fn,
+            problems,
+            completions,
+            self.timeout,
+            "reward function",
+            "it gets no score",
+            as_reward,
+        )
+        self.failures += failures
+        if self.clip is None:
+            return values
+        low, high = self.clip
+        return [None if v is None else min(high, max(low, v)) for v in values]
+
+
+class FunctionHint(HintProvider):
+    """Hints from a plain function `fn(problem, completion) -> str | None` (None: no hint).
+
+    A call that raises, returns anything but a string or None, or runs past `timeout` gives no
+    hint for that sample, one warning line, and counts in `failures`.
+
+    Args:
+        fn: the hint function.
+        timeout: seconds one call may take before its sample gets no hint; None: no limit (see
+            `FunctionScore`).
+    """
+
+    def __init__(
+        self, fn: Callable[[Problem, str], str | None], timeout: float | None = DEFAULT_TIMEOUT
+    ) -> None:
+        self.fn = fn
+        self.timeout = check_timeout(timeout, "FunctionHint")
+        self.failures = 0
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        _check_lengths(problems, completions)
+        values, failures = call_each(
+            self.fn,
+            problems,
+            completions,
+            self.timeout,
+            "hint function",
+            "it gets no hint",
+            as_hint,
+        )
+        self.failures += failures
+        return values

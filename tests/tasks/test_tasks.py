@@ -167,9 +167,10 @@ def test_function_score_keeps_any_finite_reward_and_clips_only_when_asked(caplog
             None,
         ]
     assert scorer.failures == 2
-    failures = [r for r in caplog.records if "reward function raised" in r.getMessage()]
+    failures = [r for r in caplog.records if "reward function" in r.getMessage()]
     assert len(failures) == 2 and all(r.exc_info is None for r in failures)
-    assert "KeyError: 'x'" in failures[0].getMessage()
+    assert "raised on sample 3 (it gets no score): KeyError: 'x'" in failures[0].getMessage()
+    assert "returned nan on sample 4, expected a finite number" in failures[1].getMessage()
     clipped = FunctionScore(fn, clip=(0.0, 1.0))
     assert clipped.score([{}] * 3, ["0.5", "2", "-1"]) == [0.5, 1.0, 0.0]
     with pytest.raises(ValueError, match=r"clip must be \(low, high\)"):

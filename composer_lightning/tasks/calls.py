@@ -1,0 +1,151 @@
+"""Per-sample calls of user code (reward functions, verifiers, hint functions) under a timeout.
+
+Each call runs on a daemon thread of its own while the training loop waits at most `timeout`
+seconds for it. A call that takes longer is a failure of its sample (one warning line, counted
+like a raising call) and the loop goes on with the next sample.
+
+A thread cannot be killed: a call that times out keeps running in the background until it
+returns, and its result is then dropped; a call that never returns keeps its thread for the
+life of the process (a daemon thread: it does not hold up the exit). A function that holds the
+interpreter lock without releasing it (a C extension in a long loop) slows the training loop
+while it runs; such a function must bound its own time. `timeout=None` runs the call in the
+caller's thread with no limit (for code that needs the main thread, e.g. `signal.alarm`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class CallTimeout(TimeoutError):
+    """A call did not return within its timeout (it may still be running, see above)."""
+
+
+def check_timeout(timeout: float | None, owner: str) -> float | None:
+    """`timeout` as a float, or a ValueError naming `owner` unless it is > 0 or None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{owner}: timeout must be > 0 seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def call_with_timeout(fn: Callable[..., Any], args: Sequence[Any], timeout: float | None) -> Any:
+    """`fn(*args)`, or `CallTimeout` once it has run `timeout` seconds (None: no limit).
+
+    Raises:
+        CallTimeout: the call is still running. Whatever `fn` raised, re-raised.
+    """
+    if timeout is None:
+        return fn(*args)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+    thread = threading.Thread(target=run, name=f"composer-call-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise CallTimeout(f"no result after {timeout:g} s (the call runs on in the background)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class BadValue(ValueError):
+    """A function returned something its caller cannot use."""
+
+    def __init__(self, got: str, expected: str):
+        super().__init__(f"returned {got}, expected {expected}")
+        self.got, self.expected = got, expected
+
+
+def as_reward(value: Any) -> float:
+    """A reward function's value as a float: a finite bool, int or float (a 0-d array or tensor
+    of one counts too); `BadValue` saying what it got otherwise (None, NaN, a string, ...)."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()  # numpy scalars, 0-d tensors
+    if not isinstance(value, numbers.Real):
+        raise BadValue(f"{type(value).__name__} {value!r}", "a number (bool, int or float)")
+    value = float(value)
+    if not math.isfinite(value):
+        raise BadValue(str(value), "a finite number")
+    return value
+
+
+def as_hint(value: Any) -> str | None:
+    """A hint function's value: a string or None; `BadValue` saying what it got otherwise."""
+    if value is None or isinstance(value, str):
+        return value
+    raise BadValue(f"{type(value).__name__} {value!r}", "a string or None")
+
+
+def call_each(
+    fn: Callable[[Any, str], Any],
+    problems: Sequence[Any],
+    completions: Sequence[str],
+    timeout: float | None,
+    subject: str,
+    consequence: str,
+    convert: Callable[[Any], Any] = lambda v: v,
+) -> tuple[list[Any], int]:
+    """`convert(fn(problem, completion))` for each pair, each call under `timeout`.
+
+    A call that raises, times out or returns what `convert` refuses (`BadValue`) gives None for
+    its sample and one warning line naming the sample: `<subject> raised on sample 3
+    (<consequence>): KeyError: 'x'`.
+
+    Args:
+        subject: what is called, e.g. "reward function".
+        consequence: what a failure means for the sample, e.g. "it gets no score".
+
+    Returns:
+        The values, and how many calls failed.
+    """
+    out: list[Any] = []
+    failures = 0
+    for i, (problem, completion) in enumerate(zip(problems, completions, strict=True)):
+        try:
+            out.append(convert(call_with_timeout(fn, (problem, completion), timeout)))
+            continue
+        except CallTimeout:
+            logger.warning(
+                "%s timed out on sample %d after %g s (%s; the call runs on in the background)",
+                subject,
+                i,
+                timeout,
+                consequence,
+            )
+        except BadValue as exc:
+            logger.warning(
+                "%s returned %s on sample %d, expected %s (%s)",
+                subject,
+                exc.got,
+                i,
+                exc.expected,
+                consequence,
+            )
+        except Exception as exc:  # a broken function must not crash the batch
+            logger.warning(
+                "%s raised on sample %d (%s): %s: %s",
+                subject,
+                i,
+                consequence,
+                type(exc).__name__,
+                exc,
+            )
+        failures += 1
+        out.append(None)
+    return out, failures

@@ -1,0 +1,138 @@
+"""Bad inputs found at setup, before the engine starts: one line each (`inputs.py`)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import lightning as L
+import pytest
+
+from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.datamodules.rollout import RolloutDataModule
+from composer_lightning.engines import HFEngine, SamplingConfig, VLLMEngine
+from composer_lightning.errors import ConfigError
+from composer_lightning.heads.dr_grpo import DrGRPOHead
+from composer_lightning.inputs import context_length
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.module import ComposerModule
+from composer_lightning.tasks import Task, Verdict
+
+POLICY = tiny_policy_path()
+
+
+def _fit(module, dm, steps=1):
+    """Fit; whatever it raises is raised with `.engine_started` set on it."""
+    engine = HFEngine(seed=0)  # follows the policy's directory
+    cb = RolloutCallback(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0))
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
+    try:
+        trainer.fit(module, dm)
+    except Exception as exc:
+        exc.engine_started = engine.model is not None
+        raise
+
+
+def test_a_tokenizer_with_more_ids_than_the_policy_has_embedding_rows_is_one_line_at_setup(
+    tmp_path,
+):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        max_position_embeddings=256,
+    )
+    LlamaForCausalLM(small).save_pretrained(tmp_path)
+    module = ComposerModule(str(tmp_path), [DrGRPOHead()])
+    dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=2, val_prompts=0)
+    with pytest.raises(ConfigError) as err:
+        _fit(module, dm)
+    assert str(err.value) == (
+        "the tokenizer has 512 token ids but the policy's embedding has 64 rows (ids >= 64 would "
+        "index past it): use the policy's own tokenizer"
+    )
+    assert not err.value.engine_started
+
+
+def test_a_prompt_file_line_too_long_for_the_engine_is_one_line_at_setup_naming_file_and_line(
+    tmp_path,
+):
+    path = tmp_path / "prompts.jsonl"
+    # 253 tokens: within the context of 256 alone, not with max_tokens 6
+    lines = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "1 + " * 83, "answer": 2}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dm = RolloutDataModule(
+        tokenizer=POLICY, task="arithmetic", prompt_file=str(path), prompts_per_step=1
+    )
+    with pytest.raises(ConfigError) as err:
+        _fit(ComposerModule(POLICY, [DrGRPOHead()]), dm)
+    assert not err.value.engine_started
+    assert str(err.value) == (
+        f"prompt {path}:2 has 253 tokens: with max_tokens 6 it needs 259 positions, more "
+        f"than the engine's context of 256 (max_position_embeddings of {POLICY}); shorten the "
+        "prompt or lower sampling.max_tokens"
+    )
+
+
+class LongFromTheSecondBatch(Task):
+    """Short prompts for two batches of two (the setup check and the first step), then long."""
+
+    name = "long_later"
+
+    def __init__(self):
+        self.calls = 0
+
+    def sample(self, rng: random.Random) -> dict:
+        self.calls += 1
+        words = 2 if self.calls <= 4 else 300
+        return {"task": f"{__name__}.{type(self).__name__}", "prompt": "1 + " * words}
+
+    def verify(self, problem: dict, completion: str) -> Verdict:
+        return Verdict(1.0)
+
+
+def test_a_task_prompt_too_long_for_the_engine_is_one_line_before_its_batch_is_generated():
+    dm = RolloutDataModule(
+        tokenizer=POLICY,
+        task=f"{__name__}.LongFromTheSecondBatch",
+        prompts_per_step=2,
+        val_fraction=0,
+    )
+    with pytest.raises(ConfigError, match=r"^prompt 0 of rollout batch 1 has \d+ tokens: with "):
+        _fit(ComposerModule(POLICY, [DrGRPOHead()]), dm, steps=2)
+
+
+def test_more_minibatches_than_groups_is_one_line_at_setup():
+    module = ComposerModule(POLICY, [DrGRPOHead()], minibatches=3)
+    dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=2, val_prompts=0)
+    with pytest.raises(ConfigError) as err:
+        _fit(module, dm)
+    assert str(err.value) == (
+        "model.minibatches=3 but a rollout batch has 2 groups (one per prompt: "
+        "data.prompts_per_step); minibatches split along groups: set minibatches <= 2"
+    )
+    assert not err.value.engine_started
+
+
+def test_the_engine_context_is_its_max_model_len_else_the_model_config():
+    assert context_length(VLLMEngine(model_path=POLICY, max_model_len=64), None) == (
+        64,
+        "VLLMEngine max_model_len",
+    )
+    assert context_length(VLLMEngine(model_path=POLICY), None) == (
+        256,
+        f"max_position_embeddings of {POLICY}",
+    )
+    assert context_length(HFEngine(), POLICY) == (256, f"max_position_embeddings of {POLICY}")
