@@ -269,13 +269,6 @@ def main(argv: list[str] | None = None) -> int:
             if self.trainer.is_global_zero:
                 print(run_summary(self.model, self.trainer), flush=True)
 
-        def _parse_ckpt_path(self) -> None:
-            # LightningCLI would replace the `model:` section with the checkpoint's
-            # hyper-parameters, silently ignoring a changed lr or head list: a resumed fit is
-            # built from its own configuration and compared with the checkpoint (`resume.py`)
-            if self.config.get("subcommand") != "fit":
-                super()._parse_ckpt_path()
-
         def before_instantiate_classes(self) -> None:
             section = self.config.get(str(self.subcommand)) if self.subcommand else self.config
             say = one_run_dir(section.get("trainer") if section is not None else None)
@@ -298,11 +291,19 @@ def main(argv: list[str] | None = None) -> int:
 
         def _parse_ckpt_path(self) -> None:
             # A checkpoint that cannot be read (truncated, not a checkpoint) is refused here,
-            # before anything is built or started, in one line naming the file.
+            # before anything is built or started, in one line naming the file. LightningCLI
+            # would also replace the `model:` section with the checkpoint's hyper-parameters,
+            # silently ignoring a changed lr or head list: a resumed fit is built from its own
+            # configuration and compared with the checkpoint (`resume.py`).
+            path = self.config[self.config.subcommand].get("ckpt_path")
             try:
-                super()._parse_ckpt_path()
+                if self.config.get("subcommand") != "fit":
+                    super()._parse_ckpt_path()
+                elif path and os.path.isfile(path):  # readable? (a sharded directory: later)
+                    import torch
+
+                    torch.load(path, map_location="cpu", weights_only=False, mmap=True)
             except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
-                path = self.config[self.config.subcommand].get("ckpt_path")
                 reason = str(exc).split(". ")[0]  # torch's advice on corrupt files follows
                 raise SystemExit(
                     f"composer_lightning: cannot read checkpoint {path} (truncated, or not a "
