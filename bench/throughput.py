@@ -1,7 +1,7 @@
 """Throughput at equal cores: generation overlapped with training (max_staleness k), the
 strictly on-policy loop, TRL, and the two bounds, side by side.
 
-    python bench/throughput.py [--rounds 2] [--steps 12] [--models tiny 20M]
+    python bench/throughput.py [--rounds 2] [--steps 8] [--models tiny 20M]
         [--runs k=0@2 k=1 ...] [--trl-python PYTHON] [--accuracy]
 
 The same batch everywhere: 8 prompts × G = 4 of the arithmetic task, Dr. GRPO only, one update
@@ -26,7 +26,10 @@ Models: the shipped tiny policy (≈ 3 new tokens per answer) and a 20M random L
 8192, hidden 512, 6 layers) that writes 32 new tokens. Each configuration runs `--steps` steps
 in its own process; a step is timed start to start, everything in, and its time is the median
 after 3 warm-up steps; rounds alternate the order of the configurations and the table shows
-medians over rounds, with the 1-minute load average around the runs. `push ms` is the weight
+medians over rounds, with the 1-minute load average around the runs and `others' cores`, the
+cores that processes other than this bench's kept busy during them (`/proc/stat`, stolen time
+included): on a shared machine a 2-thread process slows down many times over when another
+process holds one of the two cores. `push ms` is the weight
 push (k = 0: vLLM's in-place reload in the trainer's process; k ≥ 1: the copy into the shared
 ring, fingerprint included; gen: the engine's reload and fingerprint read). A second table
 splits the trainer's step of each run of this library. `--accuracy` also trains the main job
@@ -239,7 +242,7 @@ def tables(args: argparse.Namespace, runs: list[str], results: dict) -> list[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M"])
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--trl-python", default=sys.executable, help="an interpreter with TRL")
