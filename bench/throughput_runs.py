@@ -36,7 +36,9 @@ def _median(values: list[float]) -> float:
 
 
 class Timers:
-    """Seconds spent in wrapped functions, binned by training step."""
+    """Seconds spent in wrapped functions, binned by training step: wall time, and the calling
+    thread's CPU time under `<name>_cpu` (less than the wall time when the thread was waiting
+    for a core)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
@@ -46,12 +48,13 @@ class Timers:
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kw)
             finally:
                 if self.steps:
                     self.steps[-1][name] += time.perf_counter() - t0
+                    self.steps[-1][f"{name}_cpu"] += time.thread_time() - c0
 
         return timed
 
@@ -183,7 +186,8 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
     times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     step = _median(times[WARMUP:])
     parts = timers.medians_ms(len(times))
-    parts["update"] = parts.get("update", 0.0) - parts.get("logging", 0.0)  # logged inside it
+    for key in ("update", "update_cpu"):  # the metrics write happens inside it
+        parts[key] = parts.get(key, 0.0) - parts.get(key.replace("update", "logging"), 0.0)
     return {
         "step_s": step,
         "tok_s": _median(tokens[WARMUP:]) / step,
