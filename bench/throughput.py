@@ -1,22 +1,39 @@
-"""Throughput: generation overlapped with training (max_staleness k) and TRL side by side.
+"""Throughput at equal cores: generation overlapped with training (max_staleness k), the
+strictly on-policy loop, TRL, and the two bounds, side by side.
 
-    python bench/throughput.py [--rounds 3] [--steps 20] [--models tiny 20M] [--accuracy]
+    python bench/throughput.py [--rounds 2] [--steps 8] [--models tiny 20M]
+        [--runs k=0@2 k=1 ...] [--trl-python PYTHON] [--accuracy]
 
 The same batch everywhere: 8 prompts × G = 4 of the arithmetic task, Dr. GRPO only, one update
 per rollout batch, fp32, fused AdamW (lr 1e-4, no weight decay: TRL's defaults), gradient
-clipping at 1; 1 thread for the trainer and (k ≥ 1) 1 for the engine's own process. Rows:
-- `k=0`: this library, strictly on-policy (generate, then update, then push);
-- `k=1`, `k=2`: this library, the engine generating batch m + k in its own process while the
-  trainer updates on batch m (`RolloutCallback(max_staleness=k)`);
-- `TRL`: `trl.GRPOTrainer(loss_type="dr_grpo")` with HF `generate`, when TRL is installed
-  (`pip install -e .[bench]`; never a test dependency).
+clipping at 1. Every row states its cores; the comparisons are at equal cores:
+- `k=1`, `k=2` (1 + 1): this library, the trainer on 1 thread and the engine in its own process
+  on 1 thread, generating batch m + k while the trainer updates on batch m
+  (`RolloutCallback(max_staleness=k)`);
+- `k=0@2`, `trl@2` (2): strictly on policy (generate, update, push in turn), this library and
+  TRL 1.16 (`GRPOTrainer(loss_type="dr_grpo")`, HF `generate`, fp32, no activation
+  checkpointing), one process with 2 threads: the same two cores as k ≥ 1;
+- `k=0@1`, `trl@1` (1): the same on one thread;
+- `gen` (1): generation alone, the engine on 1 thread doing per batch what k ≥ 1's engine
+  process does (reload the weights, read their fingerprint, generate the same batches);
+- `train` (1): training alone, the trainer on 1 thread on the batches `gen` recorded (an
+  engine that replays them: scoring, the update, the metrics write; no generation, no push).
+Overlap at its best makes a step max(gen, train); `s/step ÷ max` says how far k ≥ 1 is from it.
+TRL runs with `--trl-python` (an interpreter with the `bench` extra, `pip install -e .[bench]`;
+never a test dependency); without TRL its rows are left out.
+
 Models: the shipped tiny policy (≈ 3 new tokens per answer) and a 20M random Llama (vocab
-8192, hidden 512, 6 layers) that writes 32 new tokens. Each configuration runs `--steps`
-steps in its own process; the step time is the median after 3 warm-up steps; rounds alternate
-the configurations and the table shows medians over rounds. `fixed ms` is the push (k = 0:
-vLLM's in-place reload; k ≥ 1: the copy into the shared ring, the engine's process reloads on
-its own core) plus the step's one metrics write. `--accuracy` also trains the main job for 200
-steps with k = 0 and k = 1 on 3 seeds and compares held-out greedy accuracy.
+8192, hidden 512, 6 layers) that writes 32 new tokens. Each configuration runs `--steps` steps
+in its own process; a step is timed start to start, everything in, and its time is the median
+after 3 warm-up steps; rounds alternate the order of the configurations and the table shows
+medians over rounds, with the 1-minute load average around the runs and `others' cores`, the
+cores that processes other than this bench's kept busy during them (`/proc/stat`, stolen time
+included): on a shared machine a 2-thread process slows down many times over when another
+process holds one of the two cores. `push ms` is the weight
+push (k = 0: vLLM's in-place reload in the trainer's process; k ≥ 1: the copy into the shared
+ring, fingerprint included; gen: the engine's reload and fingerprint read). A second table
+splits the trainer's step of each run of this library. `--accuracy` also trains the main job
+for 200 steps with k = 0 and k = 1 on 3 seeds and compares held-out greedy accuracy.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -35,8 +53,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-BATCH = 8 * 4  # prompts x G, every run
 MODEL_20M = dict(vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, intermediate_size=768)
+
+#: run name → (threads of each process, cores as the table states them)
+RUNS = {
+    "k=0@1": (1, "1"),
+    "k=0@2": (2, "2 (1 process, 2 threads)"),
+    "k=1": (1, "2 (trainer 1 + engine process 1)"),
+    "k=2": (1, "2 (trainer 1 + engine process 1)"),
+    "trl@1": (1, "1"),
+    "trl@2": (2, "2 (1 process, 2 threads)"),
+    "gen": (1, "1 (generation alone)"),
+    "train": (1, "1 (training alone)"),
+}
+TRL_RUNS = ("trl@1", "trl@2")
 
 
 def model_dir(name: str, tmp: str) -> str:
@@ -59,158 +89,58 @@ def model_dir(name: str, tmp: str) -> str:
     return str(path)
 
 
-# ------------------------------------------------------------------ one measured process
-def ours(path: str, k: int, steps: int, max_tokens: int) -> dict:
-    import lightning as L
-    import torch
+def load() -> float:
+    """The 1-minute load average."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
 
-    import composer_lightning.module as module_file
-    from composer_lightning.callbacks.rollout import RolloutCallback
-    from composer_lightning.datamodules.rollout import RolloutDataModule
-    from composer_lightning.engines import SamplingConfig, VLLMEngine
-    from composer_lightning.heads.dr_grpo import DrGRPOHead
-    from composer_lightning.module import ComposerModule
 
-    torch.set_num_threads(1)
-    starts: list[float] = []
-    tokens: list[float] = []
-    push: list[float] = []
-    logging: list[float] = []
-    log_step = module_file.log_step
-
-    def timed_log_step(*args, **kw):  # the step's one metrics write
-        t0 = time.perf_counter()
-        log_step(*args, **kw)
-        logging.append(time.perf_counter() - t0)
-
-    module_file.log_step = timed_log_step
-
-    class Clock(L.Callback):
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            starts.append(time.perf_counter())  # step time: start to start, everything in
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            tokens.append(float(batch["rollout"].response_mask.sum()))
-            push.append(float(trainer.callback_metrics.get("rollout/push_time", 0.0)))
-
-    callback = RolloutCallback(
-        VLLMEngine(seed=0),
-        group_size=4,
-        max_staleness=k,
-        samples_every_n_steps=0,
-        sampling=SamplingConfig(max_tokens=max_tokens, seed=0),
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds used so far by every process on this machine (stolen time included) and by
+    this process's finished children: their difference over a run is what others used."""
+    user, nice, system, _, _, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split()[1:9]
     )
-    module = ComposerModule(
-        path,
-        [DrGRPOHead()],
-        # TRL's optimizer: transformers' default `adamw_torch_fused`, weight decay 0
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.0, fused=True),
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[callback, Clock()],
-    )
-    trainer.fit(module, RolloutDataModule(prompts_per_step=8, val_prompts=0))
-    times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    step = statistics.median(times[3:])
-    return {
-        "step_s": step,
-        "tok_s": statistics.median(tokens[3:]) / step,
-        "push_ms": 1e3 * statistics.median(push[4:]),  # push_time is the previous step's
-        "log_ms": 1e3 * statistics.median(logging[3:]),
-    }
-
-
-def trl(path: str, steps: int, max_tokens: int) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from composer_lightning.tasks import Arithmetic, VerifierScore
-
-    torch.set_num_threads(1)
-    task = Arithmetic()
-    problems = task.samples(8 * (steps + 2), seed=0)
-    data = Dataset.from_list([{"prompt": p["messages"], "answer": p["answer"]} for p in problems])
-    verifier = VerifierScore(task)
-
-    def reward(prompts, completions, answer, **_):
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return verifier.score([{"answer": a} for a in answer], texts)
-
-    starts: list[float] = []
-    lengths: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            starts.append(time.perf_counter())  # start to start, everything in
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(BATCH * float(logs["completions/mean_length"]))
-
-    with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(
-            output_dir=out,
-            loss_type="dr_grpo",
-            num_generations=4,
-            per_device_train_batch_size=32,
-            gradient_accumulation_steps=1,
-            max_completion_length=max_tokens,
-            learning_rate=1e-4,
-            beta=0.0,
-            max_steps=steps,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            seed=0,
-        )
-        trainer = GRPOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(path),
-            reward_funcs=reward,
-            args=config,
-            train_dataset=data,
-            processing_class=AutoTokenizer.from_pretrained(path),
-            callbacks=[Clock()],
-        )
-        trainer.train()
-    times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    step = statistics.median(times[3:])
-    nan = float("nan")
-    tok_s = statistics.median(lengths[3:]) / step if len(lengths) > 3 else nan
-    return {"step_s": step, "tok_s": tok_s, "push_ms": nan, "log_ms": nan}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return busy, children.ru_utime + children.ru_stime
 
 
 # ------------------------------------------------------------------ the driver
-def measure(kind: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        kind,
-        model,
-        "--steps",
-        str(args.steps),
-        "--tmp",
-        tmp,
-    ]
+def measure(run: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
+    threads = RUNS[run][0]
+    python = args.trl_python if run in TRL_RUNS else sys.executable
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd = [python, __file__, "--worker", run, model, "--steps", str(args.steps), "--tmp", tmp]
+    before, (busy, own), start = load(), cpu_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"{kind}/{model} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{run}/{model} failed:\n{proc.stderr[-3000:]}")
+    (busy_after, own_after), wall = cpu_seconds(), time.perf_counter() - start
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["load"] = (before, load())
+    out["others"] = max(0.0, (busy_after - busy) - (own_after - own)) / wall
+    print(
+        f"{model} {run}: {out['step_s']:.3f} s/step, load {before:.2f} -> {load():.2f}, "
+        f"others' cores {out['others']:.2f}, {wall:.0f} s",
+        flush=True,
+    )
+    return out
+
+
+def worker(run: str, model: str, steps: int, tmp: str) -> dict:
+    import throughput_runs as runs
+
+    path = model_dir(model, tmp)
+    max_tokens = 8 if model == "tiny" else 32
+    threads = RUNS[run][0]
+    record = str(Path(tmp) / f"recorded_{model}.json")
+    if run in TRL_RUNS:
+        return runs.trl(path, steps, max_tokens, threads)
+    if run == "gen":
+        return runs.generation(path, steps, max_tokens, threads, record)
+    k = None if run == "train" else int(run[2])
+    return runs.ours(path, k, steps, max_tokens, threads, record)
 
 
 def accuracy(seeds: list[int]) -> list[str]:
@@ -259,65 +189,99 @@ def accuracy(seeds: list[int]) -> list[str]:
     return lines
 
 
+def _ms(x: float) -> str:
+    return "—" if x != x else f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
+
+
+def tables(args: argparse.Namespace, runs: list[str], results: dict) -> list[str]:
+    """The throughput table and the split of the trainer's step, as markdown lines."""
+    lines = [
+        "| model | run | cores | s/step | vs k=0@2 | vs TRL@2 | s/step ÷ max(gen, train) "
+        "| generated tok/s | push ms | logging ms | load | others' cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    split = [
+        "| model | run | step ms | generate ms | wait ms | score ms | canary ms | update ms "
+        "| of it on-CPU ms | logging ms | push ms | of it fingerprint ms | rest ms "
+        "| engine's batch ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in args.models:
+        got = {r: results[(model, r)] for r in runs if (model, r) in results}
+        med = {r: statistics.median(x["step_s"] for x in got[r]) for r in got}
+        bound = max(med["gen"], med["train"]) if "gen" in med and "train" in med else None
+        for run, rs in got.items():
+
+            def m(key: str, rs: list = rs) -> float:
+                return statistics.median(x[key] for x in rs)
+
+            loads = [v for x in rs for v in x["load"]]
+            vs0 = f"{med['k=0@2'] / med[run]:.2f}x" if "k=0@2" in med else "—"
+            vs_trl = f"{med['trl@2'] / med[run]:.2f}x" if "trl@2" in med else "—"
+            near = f"{med[run] / bound:.2f}" if bound and run.startswith("k=") else "—"
+            lines.append(
+                f"| {model} | {run} | {RUNS[run][1]} | {med[run]:.3f} | {vs0} | {vs_trl} | "
+                f"{near} | {m('tok_s'):.0f} | {_ms(m('push_ms'))} | {_ms(m('log_ms'))} | "
+                f"{min(loads):.1f}–{max(loads):.1f} | {m('others'):.2f} |"
+            )
+            if "parts_ms" not in rs[0]:
+                continue
+            parts = {
+                key: statistics.median(x["parts_ms"].get(key, 0.0) for x in rs)
+                for key in ("generate", "wait", "score", "canary", "update", "logging", "push")
+            }
+            inner = {
+                key: statistics.median(x["parts_ms"].get(key, 0.0) for x in rs)
+                for key in ("update_cpu", "fingerprint")
+            }
+            rest = 1e3 * med[run] - sum(parts.values())
+            order = ["generate", "wait", "score", "canary", "update", "update_cpu", "logging"]
+            cells = [{**parts, **inner}[key] for key in order + ["push", "fingerprint"]]
+            split.append(
+                f"| {model} | {run} | {1e3 * med[run]:.0f} | "
+                + " | ".join(_ms(v) for v in cells)
+                + f" | {_ms(rest)} | {_ms(m('engine_gen_ms'))} |"
+            )
+    return lines + [""] + split
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M"])
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--trl-python", default=sys.executable, help="an interpreter with TRL")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        kind, model = args.worker
-        path = model_dir(model, args.tmp)
-        max_tokens = 8 if model == "tiny" else 32
-        out = (
-            trl(path, args.steps, max_tokens)
-            if kind == "trl"
-            else ours(path, int(kind[2:]), args.steps, max_tokens)
-        )
-        print(json.dumps(out))
+        print(json.dumps(worker(*args.worker, args.steps, args.tmp)))
         sys.stdout.flush()
-        os._exit(0)
-    import importlib.util
-
-    kinds = ["k=0", "k=1", "k=2"] + (["trl"] if importlib.util.find_spec("trl") else [])
+        os._exit(0)  # an in-process vLLM engine may not exit cleanly
+    has_trl = subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True)
+    runs = [r for r in RUNS if r in args.runs and (has_trl.returncode == 0 or r not in TRL_RUNS)]
+    if "train" in runs and "gen" not in runs:
+        raise SystemExit("--runs: train replays the batches gen records; add gen")
     results: dict = {}
+    start_load = Path("/proc/loadavg").read_text().strip()
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             model_dir(model, tmp)
             for r in range(args.rounds):
-                order = kinds if r % 2 == 0 else kinds[::-1]  # alternate the order of the runs
-                for kind in order:
-                    results.setdefault((model, kind), []).append(measure(kind, model, args, tmp))
+                order = runs if r % 2 == 0 else runs[::-1]  # gen before train in the first
+                for run in order:
+                    results.setdefault((model, run), []).append(measure(run, model, args, tmp))
     print(
-        f"8 prompts x G=4, Dr. GRPO, 1 update per batch, fp32, {args.steps} steps per run, "
-        f"medians over {args.rounds} alternated rounds"
+        f"\n8 prompts x G=4, Dr. GRPO, 1 update per batch, fp32, {args.steps} steps per run, "
+        f"medians over {args.rounds} alternated rounds; /proc/loadavg before: {start_load}, "
+        f"after: {Path('/proc/loadavg').read_text().strip()}"
     )
-    print(
-        "| model | run | s/step | steps/s | vs k=0 | vs TRL | generated tok/s "
-        "| push ms | logging ms | fixed ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for model in args.models:
-        med = {
-            kind: statistics.median(x["step_s"] for x in results[(model, kind)]) for kind in kinds
-        }
-        for kind in kinds:
-            runs = results[(model, kind)]
-            tok = statistics.median(x["tok_s"] for x in runs)
-            push = statistics.median(x["push_ms"] for x in runs)
-            logging = statistics.median(x["log_ms"] for x in runs)
-            vs_trl = f"{med['trl'] / med[kind]:.2f}x" if "trl" in med else "n/a"
-            print(
-                f"| {model} | {kind} | {med[kind]:.3f} | {1 / med[kind]:.2f} | "
-                f"{med['k=0'] / med[kind]:.2f}x | {vs_trl} | {tok:.0f} | "
-                f"{push:.1f} | {logging:.2f} | {push + logging:.1f} |".replace("nan", "—")
-            )
-    if "trl" not in kinds:
-        print("TRL is not installed: pip install -e .[bench] for the TRL rows")
+    print("\n".join(tables(args, runs, results)))
+    if not has_trl.returncode == 0:
+        print(f"TRL is not importable by {args.trl_python}: pip install -e .[bench] for its rows")
     if args.accuracy:
         print("\n".join(accuracy(args.seeds)))
 

@@ -17,7 +17,7 @@ precision, where the gap cannot in bf16.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -195,6 +195,18 @@ def _weights_of(
                 p.detach().copy_(backup[name])
 
 
+class _Call(nn.Module):
+    """`fn()` as the forward of a module that holds `policy`, so that `functional_call` puts
+    other values in the policy's parameters for all of `fn` (its LM-head reads included)."""
+
+    def __init__(self, policy: nn.Module, fn: Callable[[], Tensor]):
+        super().__init__()
+        self.policy, self.fn = policy, fn
+
+    def forward(self) -> Tensor:
+        return self.fn()
+
+
 @torch.no_grad()
 def version_logprobs(
     policy: nn.Module,
@@ -209,16 +221,19 @@ def version_logprobs(
     `policy`, by HF name) on the first `rows` rows, NaN elsewhere.
 
     The policy's own forward runs (FSDP2's included, on the batch's device) with that version's
-    values put into its parameters, then the current values are put back: from `current` (the
-    current version's published copy, bitwise the trainer's weights), else from a copy made
-    here. Every rank must call it (FSDP2's forward is a collective). None when the names are
-    not the policy's own.
+    values. A plain policy reads them in place of its parameters (`torch.func.functional_call`;
+    its own are never touched). FSDP2 shards get them copied in, then the current values are
+    put back: from `current` (the current version's published copy, bitwise the trainer's
+    weights), else from a copy made here. Every rank must call it (FSDP2's forward is a
+    collective). None when the names are not the policy's own.
     """
-    if any(hf_name(n) not in weights for n, _ in policy.named_parameters()):
+    params = dict(policy.named_parameters())  # tied weights once
+    if any(hf_name(n) not in weights for n in params):
         return None
     head = rb.select(torch.arange(min(rows, rb.batch_size), device=rb.input_ids.device))
-    with _weights_of(policy, weights, current):
-        lp = score_tokens(
+
+    def scored() -> Tensor:
+        return score_tokens(
             policy,
             head.input_ids,
             head.attention_mask,
@@ -226,6 +241,16 @@ def version_logprobs(
             mask=head.response_mask,
             chunk_size=chunk_size,
         ).logprobs
+
+    if any(hasattr(p, "to_local") for p in params.values()):  # FSDP2 shards: copy in and back
+        with _weights_of(policy, weights, current):
+            lp = scored()
+    else:  # the version's tensors stand in for the parameters: nothing copied or put back
+        values = {
+            f"policy.{n}": weights[hf_name(n)].to(device=p.device, dtype=p.dtype)
+            for n, p in params.items()
+        }
+        lp = torch.func.functional_call(_Call(policy, scored), values, ())
     out = torch.full(rb.input_ids.shape, float("nan"), dtype=lp.dtype, device=lp.device)
     out[: head.batch_size] = lp
     return out

@@ -45,14 +45,26 @@ _FUSED |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 RTOL = 1e-9
 
 
+#: Values per float64 chunk of a CPU fingerprint (512 KiB: it stays in cache).
+CHUNK = 2**16
+
+
 def tensor_fingerprint(tensor: Tensor, dtype: torch.dtype | None = None) -> tuple[float, float]:
     """`(sum, sum |x|)` in float64 of `tensor` after a cast to `dtype` (the engine's)."""
     t = tensor.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    # accumulated in float64 without a float64 copy of the tensor (an embedding can be 1e8)
-    total = torch.sum(t, dtype=torch.float64)
-    return float(total), float(torch.linalg.vector_norm(t, 1, dtype=torch.float64))
+    if t.device.type != "cpu":  # one pass, accumulated in float64 without a float64 copy
+        total = torch.sum(t, dtype=torch.float64)
+        return float(total), float(torch.linalg.vector_norm(t, 1, dtype=torch.float64))
+    # On CPU, float64 copies of cache-sized chunks: no float64 copy of the whole tensor (an
+    # embedding can be 1e8 values) and ≈ 5x faster than the one-pass float64 accumulation.
+    total = absolute = 0.0
+    for part in t.reshape(-1).split(CHUNK):
+        wide = part.double()
+        total += float(wide.sum())
+        absolute += float(wide.abs().sum())
+    return total, absolute
 
 
 def module_fingerprint(named: Iterable[tuple[str, Tensor]]) -> Fingerprint:
