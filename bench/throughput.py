@@ -29,11 +29,11 @@ after 3 warm-up steps; rounds alternate the order of the configurations and the 
 medians over rounds, with the 1-minute load average around the runs and `others' cores`, the
 cores that processes other than this bench's kept busy during them (`/proc/stat`, stolen time
 included): on a shared machine a 2-thread process slows down many times over when another
-process holds one of the two cores. `push ms` is the weight
-push (k = 0: vLLM's in-place reload in the trainer's process; k ≥ 1: the copy into the shared
-ring, fingerprint included; gen: the engine's reload and fingerprint read). A second table
-splits the trainer's step of each run of this library. `--accuracy` also trains the main job
-for 200 steps with k = 0 and k = 1 on 3 seeds and compares held-out greedy accuracy.
+process holds one of the two cores. `push ms` is the weight push (k = 0: vLLM's in-place
+reload in the trainer's process; k ≥ 1: the copy into the shared ring, fingerprint included;
+gen: the engine's reload and fingerprint read). A second table splits the trainer's step of
+each run of this library. `--accuracy` also trains the main job for 200 steps with k = 0 and
+k = 1 on 3 seeds and compares held-out greedy accuracy.
 """
 
 from __future__ import annotations
