@@ -64,7 +64,6 @@ TASKS = {  # steps and evaluation interval per task: the sparse task moves in it
     "sparse": {
         "args": [
             "--data.init_args.task_args={carry_only: true}",
-            "--model.temperature=0.6",
             "--rollout.sampling.temperature=0.6",
         ],
         "threshold": 0.8,

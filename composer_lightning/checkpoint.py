@@ -149,8 +149,8 @@ LOOP_SETTINGS = frozenset(
 def check_loop_settings(**settings: Any) -> None:
     """ValueError naming the value, for the module's loop settings."""
     t = settings["temperature"]
-    if not (t > 0 and t != float("inf")):
-        raise ValueError(f"temperature must be > 0, got {t}")
+    if t is not None and not (t > 0 and t != float("inf")):
+        raise ValueError(f"temperature must be > 0 or None (the sampling temperature), got {t}")
     for name in ("ppo_epochs", "minibatches"):
         v = settings[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

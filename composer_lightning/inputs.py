@@ -7,7 +7,10 @@ refusal of a prompt after the engine started, a minibatch split that cannot be m
 - a prompt that leaves no room for `max_tokens` in the engine's context (`check_prompt_lengths`,
   with the context from `context_length`): every line of a prompt file at setup, naming file and
   line; a task's prompts at setup (the first batch) and before each batch is generated;
-- more minibatches than groups per rollout batch (`check_minibatches`).
+- more minibatches than groups per rollout batch (`check_minibatches`);
+- Lightning's automatic-optimisation options on a manually optimised module
+  (`check_trainer_options`), which Lightning refuses with a traceback that names no option of
+  ours.
 """
 
 from __future__ import annotations
@@ -105,4 +108,30 @@ def check_minibatches(minibatches: int, groups: int) -> None:
             f"model.minibatches={minibatches} but a rollout batch has {groups} groups (one per "
             f"prompt: data.prompts_per_step); minibatches split along groups: set minibatches "
             f"<= {groups}"
+        )
+
+
+def check_trainer_options(trainer: Any) -> None:
+    """ConfigError naming the option to use instead of `trainer.gradient_clip_val` or
+    `trainer.accumulate_grad_batches` in a fit: the module steps its optimizer itself (manual
+    optimisation), where Lightning applies neither.
+
+    Called from `ComposerModule.configure_callbacks`, the last hook before Lightning checks the
+    loop configuration."""
+    if getattr(getattr(trainer, "state", None), "fn", None) != "fit":
+        return
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip is not None and clip > 0:
+        raise ConfigError(
+            f"trainer.gradient_clip_val={clip:g} does not apply (the module steps its optimizer "
+            f"itself): set model.max_grad_norm={clip:g} instead (default 1.0; null: no clipping)"
+        )
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={accumulate} does not apply (the module steps its "
+            "optimizer itself): an optimizer step sees a whole rollout batch "
+            "(data.prompts_per_step × rollout.group_size samples), so raise "
+            "data.prompts_per_step for a larger batch (model.minibatches splits a rollout batch "
+            "into several optimizer steps)"
         )

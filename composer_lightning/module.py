@@ -39,6 +39,7 @@ from composer_lightning.checkpoint import (
 from composer_lightning.distributed import StepMetrics, agree, full, rank_mismatch, world
 from composer_lightning.forward import rollout_targets, step_context
 from composer_lightning.heads.base import Head
+from composer_lightning.inputs import check_trainer_options
 from composer_lightning.models.loading import (
     frozen_model,
     hparams_to_ignore,
@@ -79,7 +80,10 @@ class ComposerModule(L.LightningModule):
             the Dr. GRPO normaliser).
         norm_length: `token_sum_norm`'s length; default the batch's `max_response_length`.
         entropy_coef: entropy bonus coefficient.
-        temperature: sampling temperature; log-probs are those of `logits / temperature`.
+        temperature: the sampling temperature log-probs are taken at (`logits / temperature`).
+            None (default): the rollout callback's `sampling.temperature`, so it is set in one
+            place; 1.0 without a rollout callback. A value that differs from the sampling
+            temperature is a configuration error.
         mixing: `advantage` (one surrogate on the mixed advantage) or `loss` (one per term).
         variance_matching: name of a reference advantage head; every advantage term is rescaled
             by σ(reference) / σ(term) over its active tokens (detached). None disables it.
@@ -117,7 +121,7 @@ class ComposerModule(L.LightningModule):
         aggregation: Aggregation = "token_sum_norm",
         norm_length: int | None = None,
         entropy_coef: float = 0.0,
-        temperature: float = 1.0,
+        temperature: float | None = None,
         mixing: Mixing = "advantage",
         variance_matching: str | None = None,
         ppo_epochs: int = 1,
@@ -153,7 +157,9 @@ class ComposerModule(L.LightningModule):
         self.reference = reference_model(reference, self.policy, self.heads)
         self.teacher = frozen_model(teacher)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
-        self.norm_length, self.temperature, self.chunk_size = norm_length, temperature, chunk_size
+        self.norm_length, self.chunk_size = norm_length, chunk_size
+        self.configured_temperature = temperature  # None: the sampler's (RolloutCallback.setup)
+        self.temperature = 1.0 if temperature is None else temperature
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
         self.max_grad_norm, self.max_logprob_gap = max_grad_norm, max_logprob_gap
         self.policy_version = 0
@@ -179,6 +185,7 @@ class ComposerModule(L.LightningModule):
     def configure_callbacks(self) -> list[L.Callback]:
         # always on: 16-bit weights that swallow updates are reported; a signal loses nothing;
         # a checkpoint is whole or not written
+        check_trainer_options(self.trainer)  # Lightning checks these next, in its own words
         return [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:

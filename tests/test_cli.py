@@ -198,9 +198,11 @@ def test_bad_settings_give_a_one_line_error(override, message):
     [
         ("--model.heads.weight=-1", None),  # replaced below: negative weight of the first head
         (
-            "--rollout.sampling.temperature=0.7",
-            "the module's temperature (1.0) differs from the sampling temperature (0.7)",
+            "--model.temperature=0.7",
+            "model.temperature (0.7) differs from rollout.sampling.temperature (1.0)",
         ),
+        ("--trainer.gradient_clip_val=0.5", "set model.max_grad_norm=0.5 instead"),
+        ("--trainer.accumulate_grad_batches=4", "raise data.prompts_per_step"),
         ("--data.init_args.prompt_file=/nonexistent/prompts.jsonl", "/nonexistent/prompts.jsonl"),
         (
             "--rollout.engine.init_args.model_path=/nonexistent/model",

@@ -125,11 +125,25 @@ def test_all_scores_failing_is_a_clear_error():
         _fit([_callback(score=FunctionScore(broken), hint=None)], steps=1)
 
 
+def test_the_module_follows_the_sampling_temperature():
+    """One place sets the temperature: the module's log-probs are taken at the sampler's, so
+    the canary agrees with the engine at 0.7 (at 1.0 the log-probs would differ by far more)."""
+    engine = HFEngine(model_path=POLICY, seed=0)
+    cb = RolloutCallback(
+        engine, group_size=2, sampling=SamplingConfig(temperature=0.7, max_tokens=6, seed=0)
+    )
+    module, _, trainer = _fit([cb], steps=1)
+    assert module.temperature == 0.7 and module.configured_temperature is None
+    assert float(trainer.callback_metrics["rollout/logprob_gap_mean"]) < 1e-5
+
+
 def test_temperature_mismatch_is_refused():
     engine = HFEngine(model_path=POLICY)
     cb = RolloutCallback(engine, sampling=SamplingConfig(temperature=0.7))
-    with pytest.raises(ValueError, match="temperature"):
-        _fit([cb], steps=1)
+    module = ComposerModule(POLICY, [DrGRPOHead()], temperature=1.0)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[cb])
+    with pytest.raises(ValueError, match=r"model.temperature \(1.0\) differs from rollout"):
+        trainer.fit(module, RolloutDataModule(tokenizer=POLICY, prompts_per_step=4))
 
 
 def test_prompt_file_errors_name_file_and_line(tmp_path):

@@ -159,12 +159,14 @@ class RolloutCallback(L.Callback):
     # ------------------------------------------------------------------ start and sync
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check the configuration, then start the engine on this rank (and form its group)."""
-        temperature = getattr(pl_module, "temperature", self.sampling.temperature)
-        if abs(temperature - self.sampling.temperature) > 1e-12:
+        configured = getattr(pl_module, "configured_temperature", None)
+        if configured is None and hasattr(pl_module, "temperature"):
+            pl_module.temperature = self.sampling.temperature  # the one place it is set
+        elif configured is not None and abs(configured - self.sampling.temperature) > 1e-12:
             raise ConfigError(
-                f"the module's temperature ({temperature}) differs from the sampling "
-                f"temperature ({self.sampling.temperature}); log-probs must be those "
-                "of the sampling distribution: set both to the same value"
+                f"model.temperature ({configured}) differs from rollout.sampling.temperature "
+                f"({self.sampling.temperature}); log-probs must be those of the sampling "
+                "distribution: set the sampling temperature only (the module follows it)"
             )
         self._check_inputs(trainer, pl_module)
         context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
