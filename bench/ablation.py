@@ -99,8 +99,8 @@ def run(task: str, variant: str, seed: int, quick: bool, out: str) -> dict:
         raise RuntimeError(f"{task}/{variant}/seed {seed} failed:\n{proc.stderr[-3000:]}")
     curves = scalars(out)
     # evaluation i ran after (i + 1) * val_every rollout batches (= optimizer steps here)
-    curves["val/greedy_accuracy"] = [
-        ((i + 1) * val_every, v) for i, (_, v) in enumerate(curves["val/greedy_accuracy"])
+    curves["val/accuracy"] = [
+        ((i + 1) * val_every, v) for i, (_, v) in enumerate(curves["val/accuracy"])
     ]
     return {"task": task, "variant": variant, "seed": seed, "wall": wall, **curves}
 
@@ -140,9 +140,9 @@ def report(results: list[dict], seeds: list[int]) -> list[str]:
             rs = [r for r in results if r["task"] == task and r["variant"] == variant]
             if not rs:
                 continue
-            acc = mean_se([r["val/greedy_accuracy"][-1][1] for r in rs])
+            acc = mean_se([r["val/accuracy"][-1][1] for r in rs])
             p4 = mean_se([r["val/pass@4"][-1][1] for r in rs])
-            reached = [next((s for s, v in r["val/greedy_accuracy"] if v >= thr), None) for r in rs]
+            reached = [next((s for s, v in r["val/accuracy"] if v >= thr), None) for r in rs]
             hit = [s for s in reached if s is not None]
             steps = (
                 f"{sum(hit) / len(hit):.0f} ({len(hit)}/{len(rs)})" if hit else f"— (0/{len(rs)})"
@@ -168,8 +168,8 @@ def plot(results: list[dict], path: Path) -> None:
             rs = [r for r in results if r["task"] == task and r["variant"] == variant]
             if not rs:
                 continue
-            steps = [s for s, _ in rs[0]["val/greedy_accuracy"]]
-            curves = [[v for _, v in r["val/greedy_accuracy"]] for r in rs]
+            steps = [s for s, _ in rs[0]["val/accuracy"]]
+            curves = [[v for _, v in r["val/accuracy"]] for r in rs]
             stats = [mean_se([c[i] for c in curves]) for i in range(len(steps))]
             mean = [m for m, _ in stats]
             se = [0.0 if math.isnan(s) else s for _, s in stats]

@@ -182,7 +182,7 @@ def accuracy(seeds: list[int]) -> list[str]:
                 (events,) = glob.glob(os.path.join(out, "**", "events.*"), recursive=True)
                 acc = EventAccumulator(events)
                 acc.Reload()
-                accs.append(acc.Scalars("val/greedy_accuracy")[-1].value)
+                accs.append(acc.Scalars("val/accuracy")[-1].value)
         m = statistics.mean(accs)
         se = statistics.stdev(accs) / len(accs) ** 0.5 if len(accs) > 1 else float("nan")
         lines.append(f"| {k} | {m:.3f} ± {se:.3f} | {', '.join(f'{a:.3f}' for a in accs)} |")

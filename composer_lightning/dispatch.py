@@ -136,8 +136,13 @@ def build_rollout(
     hint_role: str,
     group_size: int,
     samples_per_step: int,
+    mask_truncated: bool = False,
 ) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the surviving samples of one prompt batch.
+
+    With `mask_truncated` (TRL's `mask_truncated_completions`), a completion that reached
+    `max_tokens` without a stop token keeps its reward in its group's statistics but has no
+    token in any loss: its `response_mask` (and `sdpo_mask`) rows are all False.
 
     Returns:
         The rollout batch; the step's metrics (plus `_tokens` and `_rewarded`, the generated
@@ -178,6 +183,10 @@ def build_rollout(
         max_response_length=max_tokens,
         engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs for k in keep],
     )
+    truncated = torch.tensor([flat[k][1].finish_reason == "length" for k in keep])
+    if mask_truncated:
+        rollout.response_mask &= ~truncated[:, None]
+        rollout.sdpo_mask &= ~truncated[:, None]
     rows = [  # the first sample of each of the first prompts: one row per prompt
         {
             "prompt": problem_messages(flat_problems[k])[-1]["content"],
@@ -207,6 +216,7 @@ def build_rollout(
         "rollout/response_length_mean": sum(lengths) / len(lengths),
         "rollout/response_length_max": float(max(lengths)),
         "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
+        "rollout/masked_truncated": float(truncated.sum()) if mask_truncated else 0.0,
         "rollout/score_failures": float(failures),
         "rollout/hint_failures": float(hint_failures),
         "rollout/judge_truncated": float(

@@ -3,13 +3,18 @@
 A problem is held out when a hash of its chat falls in the first `fraction` of the hash range:
 the training stream skips such problems and the validation set draws only them, so no problem
 (nor a duplicate of it drawn again) is ever on both sides. Validation runs through the same
-engine as training, on the rollout callback's `on_validation_batch_start`:
-- `greedy_accuracy`: the share of prompts whose greedy completion the verifier scores 1;
-- `pass@k`: the share of prompts with at least one of k sampled completions scored 1 (k
-  samples per prompt: the unbiased estimator of Chen et al. 2021 with n = k);
+engine as training, on the rollout callback's `on_validation_batch_start`, and is scored by
+the run's own score provider (the one training rewards come from) unless another is given:
+- `accuracy`: the share of prompts whose greedy completion scores at least `threshold`
+  (default 1.0, an exact answer of a [0, 1] verifier);
+- `pass@k`: the share of prompts with at least one of k sampled completions scoring at least
+  `threshold` (k samples per prompt: the unbiased estimator of Chen et al. 2021 with n = k);
+- `reward_mean`: the mean score of the sampled completions that got one (a reward function's
+  own scale, whatever it is);
 - `response_length`: the mean length, in tokens, of the sampled completions.
-The module logs them as `val/...` through torchmetrics `MeanMetric`s weighted by the number of
-prompts, which Lightning reduces over validation batches and ranks.
+The module logs them as `val/...` through torchmetrics `MeanMetric`s, each weighted by what it
+is a mean over (prompts, scored completions, completions), which Lightning reduces over
+validation batches and ranks.
 """
 
 from __future__ import annotations
@@ -44,61 +49,73 @@ def evaluate(
     sampling: SamplingConfig,
     k: int,
     seed: int,
-) -> dict[str, float]:
-    """Greedy accuracy, pass@k and mean response length of one batch of held-out prompts.
+    threshold: float = 1.0,
+) -> dict[str, tuple[float, float]]:
+    """Accuracy, pass@k, mean reward and mean response length of one batch of held-out prompts.
 
     Args:
         generate: `(prompts, n, sampling) -> completions` through the run's engine (with
             tensor parallelism, generating the group's gathered prompts together), a score
-            provider (the verifier) and the tokenizer that decodes completions.
+            provider and the tokenizer that decodes completions.
         prompts, problems: the batch's prompt token ids and problems.
         sampling: the training sampling settings (temperature, max_tokens, stops).
         k: sampled completions per prompt for pass@k.
         seed: the sampling seed (fixed per batch: evaluation is reproducible).
+        threshold: a completion solves its prompt when its score is at least this; a
+            completion without a score (None) does not.
 
     Returns:
-        The figures, and `n`, the number of prompts (their weight).
+        Each figure as `(value, weight)`: the weight is the number of things it is a mean
+        over (prompts; scored completions; completions), for the mean over batches and ranks.
     """
 
-    def correct(outs: list) -> list[list[bool]]:
+    def scores(outs: list) -> list[list[float | None]]:
         texts = [
             [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
             for group in outs
         ]
+        failures = getattr(score, "failures", 0)  # the training batch's count, kept apart
         flat = score.score(
             [p for p, group in zip(problems, texts, strict=True) for _ in group],
             [t for group in texts for t in group],
         )
+        if hasattr(score, "failures"):
+            score.failures = failures
         it = iter(flat)
-        return [[next(it) == 1.0 for _ in group] for group in texts]
+        return [[next(it) for _ in group] for group in texts]
 
-    greedy = generate(prompts, 1, replace(sampling, temperature=0.0, seed=seed))
-    sampled = generate(prompts, k, replace(sampling, seed=seed))
-    lengths = [len(c.token_ids) for group in sampled for c in group]
+    def solved(value: float | None) -> bool:
+        return value is not None and value >= threshold
+
+    greedy = scores(generate(prompts, 1, replace(sampling, temperature=0.0, seed=seed)))
+    outs = generate(prompts, k, replace(sampling, seed=seed))
+    sampled = scores(outs)
+    rewards = [v for group in sampled for v in group if v is not None]
+    lengths = [len(c.token_ids) for group in outs for c in group]
+    n = float(len(prompts))
     return {
-        "greedy_accuracy": sum(g[0] for g in correct(greedy)) / len(prompts),
-        f"pass@{k}": sum(any(g) for g in correct(sampled)) / len(prompts),
-        "response_length": sum(lengths) / len(lengths),
-        "n": float(len(prompts)),
+        "accuracy": (sum(solved(g[0]) for g in greedy) / n, n),
+        f"pass@{k}": (sum(any(solved(v) for v in g) for g in sampled) / n, n),
+        "reward_mean": (sum(rewards) / len(rewards) if rewards else 0.0, float(len(rewards))),
+        "response_length": (sum(lengths) / len(lengths), float(len(lengths))),
     }
 
 
-def log_validation(module: L.LightningModule, figures: dict[str, float]) -> None:
-    """Log one batch's figures as `val/<name>` means over batches and ranks (weighted by n)."""
-    figures = dict(figures)
-    n = figures.pop("n")
+def log_validation(module: L.LightningModule, figures: dict[str, tuple[float, float]]) -> None:
+    """Log one batch's figures (`evaluate`'s `(value, weight)`) as `val/<name>` weighted means
+    over batches and ranks."""
     if not hasattr(module, "val_metrics"):
         raise TypeError("log_validation needs the module's `val_metrics` ModuleDict")
-    for name, value in figures.items():
+    for name, (value, weight) in figures.items():
         key = name.replace("@", "_at_")  # a ModuleDict key
         if key not in module.val_metrics:
             module.val_metrics[key] = MeanMetric().to(module.device)
-        module.val_metrics[key].update(value, weight=n)
+        module.val_metrics[key].update(value, weight=weight)
         module.log(
             f"val/{name}",
             module.val_metrics[key],
             on_step=False,
             on_epoch=True,
-            batch_size=int(n),
+            batch_size=max(1, int(weight)),
             metric_attribute=f"val_metrics.{key}",  # added after Lightning looked for metrics
         )

@@ -148,7 +148,7 @@ def test_tensor_parallel_groups_generate_together_and_keep_their_own_samples(fsd
     assert max(two["rollout/logprob_gap_worst_rank"]) < 1e-5
     for tag in ("rollout/reward_mean", "dispatch/opd_rl", "rollout/response_length_mean"):
         assert two[tag] == one[tag], tag
-    for tag in ("val/greedy_accuracy", "val/pass@4", "val/response_length"):
+    for tag in ("val/accuracy", "val/pass@4", "val/response_length"):
         assert len(two[tag]) == 1 and two[tag] == one[tag], tag
 
 
@@ -168,11 +168,11 @@ def test_held_out_validation_during_fit_and_validate_from_a_checkpoint(tmp_path)
     )
     assert fit.returncode == 0, fit.stderr[-3000:]
     s = _scalars(tmp_path)
-    for tag in ("val/greedy_accuracy", "val/pass@4", "val/response_length"):
+    for tag in ("val/accuracy", "val/pass@4", "val/reward_mean", "val/response_length"):
         assert len(s[tag]) == 2, tag  # after rollout batches 2 and 4
-    assert all(0 <= v <= 1 for v in s["val/greedy_accuracy"] + s["val/pass@4"])
-    assert "val/greedy_accuracy" in fit.stdout  # the progress line shows the latest figure
+    assert all(0 <= v <= 1 for v in s["val/accuracy"] + s["val/pass@4"])
+    assert "val/accuracy" in fit.stdout  # the progress line shows the latest figure
     (last,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
     out = run_cli("validate", "--config", config, f"--ckpt_path={last}", *common)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "val/greedy_accuracy" in out.stdout and "val/pass@4" in out.stdout
+    assert "val/accuracy" in out.stdout and "val/pass@4" in out.stdout

@@ -1,5 +1,6 @@
 """The four-way dispatch as a pure decision (DESIGN.md): a score gives RL, a hint gives OPD."""
 
+import torch
 from transformers import AutoTokenizer
 
 from composer_lightning.chat import tokenize_prompt
@@ -79,3 +80,27 @@ def test_a_raising_hint_provider_leaves_the_batch_to_its_rewards_with_one_summar
     assert caplog.records[-1].getMessage() == (
         "rollout batch 0: 4 of 4 hint calls failed (one line each above); those samples get no hint"
     )
+
+
+def test_masked_truncated_completions_keep_their_reward_but_no_loss_token():
+    """TRL's `mask_truncated_completions`: a completion that hit max_tokens (finish "length")
+    has no response token, while its reward stays in the batch for the group baseline."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy_path())
+    problem = {"messages": [{"role": "user", "content": "1+1="}], "task": "arithmetic", "answer": 2}
+    batch = {"index": 0, "problems": [problem], "prompt_ids": [tokenize_prompt(tokenizer, problem)]}
+    eos = tokenizer.eos_token_id
+    outs = [
+        [
+            Completion(tokenizer.encode("2") + [eos], [-0.5, -0.1], "stop"),
+            Completion(tokenizer.encode("3") + tokenizer.encode("3"), [-0.5, -0.2], "length"),
+        ]
+    ]
+    plain, _, _ = build_rollout(batch, outs, tokenizer, 2, VerifierScore(), None, "user", 2, 0)
+    masked, metrics, _ = build_rollout(
+        batch, outs, tokenizer, 2, VerifierScore(), None, "user", 2, 0, mask_truncated=True
+    )
+    assert metrics["rollout/masked_truncated"] == 1.0
+    assert plain.response_mask[1].any() and not masked.response_mask[1].any()
+    assert torch.equal(masked.response_mask[0], plain.response_mask[0])
+    assert masked.has_reward.tolist() == [True, True]
+    assert masked.rewards.tolist() == plain.rewards.tolist() == [1.0, 0.0]

@@ -137,7 +137,7 @@ def test_held_out_evaluation_runs_through_the_engine_process():
         HFEngine(seed=0), k=1, steps=4, val_check_interval=2, limit_val_batches=2
     )
     assert module.policy_version == 4
-    assert 0 <= float(trainer.callback_metrics["val/greedy_accuracy"]) <= 1
+    assert 0 <= float(trainer.callback_metrics["val/accuracy"]) <= 1
     assert "val/pass@4" in trainer.callback_metrics
 
 

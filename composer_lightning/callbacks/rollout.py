@@ -83,12 +83,17 @@ class RolloutCallback(L.Callback):
             to TensorBoard's TEXT tab; 0 turns this off.
         samples_per_step: samples written each time.
         val_samples: k, the sampled completions per held-out prompt for `val/pass@k`
-            (validation also decodes greedily: `val/greedy_accuracy`).
-        val_score: how validation scores completions; default the task verifier.
+            (validation also decodes greedily: `val/accuracy`).
+        val_score: how validation scores completions; default `score`, the run's own.
+        val_threshold: a held-out completion solves its prompt when its score is at least
+            this (`val/accuracy`, `val/pass@k`); `val/reward_mean` is the mean score itself.
         max_staleness: k. 0: strictly on policy, generation and update take turns. k > 0: the
             engine runs in a child process (one per trainer rank) and generates up to k
             batches ahead with the weights it has (batch m with version m − k, exactly); the
             module weights the surrogate by truncated importance ratios (`importance_cap`).
+        mask_truncated_completions: TRL's option: a completion that reaches
+            `sampling.max_tokens` without a stop token stays in its group's reward statistics
+            but contributes no token to any loss (counted in `rollout/masked_truncated`).
         engine_timeout: with k > 0, seconds to wait for a batch before the engine process is
             declared hung and the run stops; None waits as long as it lives.
     """
@@ -105,7 +110,9 @@ class RolloutCallback(L.Callback):
         samples_per_step: int = 4,
         val_samples: int = 4,
         val_score: ScoreProvider | None = None,
+        val_threshold: float = 1.0,
         max_staleness: int = 0,
+        mask_truncated_completions: bool = False,
         engine_timeout: float | None = 1800.0,
     ):
         if (
@@ -115,6 +122,7 @@ class RolloutCallback(L.Callback):
         ):
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
         self.max_staleness = max_staleness
+        self.mask_truncated_completions = bool(mask_truncated_completions)
         if engine_timeout is not None and not engine_timeout > 0:
             raise ValueError(f"engine_timeout must be > 0 seconds or None, got {engine_timeout!r}")
         self.engine_timeout = engine_timeout
@@ -140,8 +148,11 @@ class RolloutCallback(L.Callback):
         if val_samples < 1:
             raise ValueError(f"val_samples must be >= 1, got {val_samples}")
         self.val_samples = val_samples
-        self.val_score = val_score if val_score is not None else VerifierScore()
         self.score = score if score is not None else VerifierScore()
+        self.val_score = val_score if val_score is not None else self.score
+        if isinstance(val_threshold, bool) or not isinstance(val_threshold, (int, float)):
+            raise ValueError(f"val_threshold must be a number, got {val_threshold!r}")
+        self.val_threshold = float(val_threshold)
         self.hint, self.hint_role = hint, hint_role
         if samples_every_n_steps < 0 or samples_per_step < 0:
             raise ValueError(
@@ -217,11 +228,33 @@ class RolloutCallback(L.Callback):
             return  # a data module of other batches: nothing to check here
         minibatches = getattr(pl_module, "minibatches", 1)
         check_minibatches(minibatches, dm.prompts_per_step)
+        self._check_providers(dm)
         models = {name: getattr(pl_module, name, None) for name in ("policy", "teacher")}
         check_vocabulary(dm.tokenizer, models)
         self._context = context_length(self.engine, getattr(pl_module, "policy_path", None))
         if self._context is not None:
             check_prompt_lengths(dm.labelled_prompts(), self.sampling.max_tokens, self._context)
+
+    def _check_providers(self, dm: Any) -> None:
+        """A provider that cannot judge the run's problems (a verifier with no task to look
+        up, a field it reads missing) is one line here, not a warning per sample: the score and
+        hint providers on the first training batch, the validation score on the held-out set."""
+        problems = dm.problems(dm.consumed)
+        held_out = dm.validation_problems()
+        for key, provider, which in (
+            ("rollout.score", self.score, problems),
+            ("rollout.hint", self.hint, problems),
+            ("rollout.val_score", self.val_score, held_out),
+        ):
+            check = getattr(provider, "check", None)
+            problem = check(which) if callable(check) and which else None
+            if problem:
+                raise ConfigError(
+                    f"{key} ({type(provider).__name__}) cannot judge this run's "
+                    f"{'held-out' if key.endswith('val_score') else 'training'} problems: "
+                    f"{problem}; give the data a task (data.task), the provider a task, or "
+                    "another provider"
+                )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._push(pl_module)  # also re-syncs a resumed run from the restored weights
@@ -369,6 +402,7 @@ class RolloutCallback(L.Callback):
             sampling,
             self.val_samples,
             seed,
+            self.val_threshold,
         )
 
     # ------------------------------------------------------------------ generate
@@ -473,6 +507,7 @@ class RolloutCallback(L.Callback):
             self.hint_role,
             self.group_size,
             self.samples_per_step,
+            self.mask_truncated_completions,
         )
         rollout.policy_version = version
         rollout.extras["engine_dtype"] = getattr(self.engine, "dtype", None)  # canary threshold

@@ -1,4 +1,5 @@
-"""Advantage terms: Dr. GRPO group baselines and the OPD teacher advantage.
+"""Advantage terms: Dr. GRPO group baselines (optionally std-scaled, TRL's `scale_rewards`) and
+the OPD teacher advantage.
 
 Each function returns one *term* of the mixed advantage; mixing, weights and broadcasting over
 response tokens are the module's job.
@@ -55,6 +56,59 @@ def dr_grpo_advantages(
     mean = sums / counts.clamp(min=1)
     baseline = torch.where(counts > 1, mean, torch.zeros_like(mean))[group]  # [N]
     return torch.where(rewarded, r - baseline, torch.zeros_like(r))
+
+
+def grpo_advantages(
+    rewards: Tensor,  # [N] float
+    group_ids: Tensor,  # [N] long
+    has_reward: Tensor | None = None,  # [N] bool or 0/1 float; None = all rewarded
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> Tensor:  # [N]
+    """GRPO advantages with TRL's `scale_rewards`: the Dr. GRPO advantage divided by a reward
+    standard deviation plus `eps`.
+
+    `A_i = (R_i - mean_group(i)) / (std + eps)` where `std` is the unbiased (n − 1) standard
+    deviation of the rewarded members of i's group (`"group"`, GRPO's original normalisation,
+    Shao et al. 2024) or of every rewarded sample of the batch (`"batch"`, as TRL's
+    `scale_rewards="batch"`); `"none"` is `dr_grpo_advantages` itself. This is TRL's
+    `GRPOTrainer` (v1.16, `sum_then_normalize`: `nanstd`, `advantages / (std_rewards + 1e-4)`).
+    Where TRL's statistics span all processes, here they span the rollout batch of one rank
+    (its groups are whole). A group with one rewarded member keeps the Dr. GRPO value A = R
+    (no standard deviation exists); unrewarded samples get exactly 0.
+
+    Args:
+        rewards, group_ids, has_reward: as `dr_grpo_advantages`.
+        scale_rewards: "group", "batch" or "none".
+        eps: added to the standard deviation (TRL: 1e-4).
+    """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(
+            f"scale_rewards must be 'group', 'batch' or 'none' (TRL's), got {scale_rewards!r}"
+        )
+    adv = dr_grpo_advantages(rewards, group_ids, has_reward)
+    if scale_rewards == "none" or rewards.numel() == 0:
+        return adv
+    rewarded = (
+        torch.ones_like(rewards, dtype=torch.bool)
+        if has_reward is None
+        else as_bool_mask(has_reward)
+    )
+    r = torch.where(rewarded, rewards, torch.zeros_like(rewards))
+    _, group = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(group.max()) + 1
+    w = rewarded.to(r.dtype)
+    counts = r.new_zeros(num_groups).index_add(0, group, w)
+    if scale_rewards == "group":
+        mean = r.new_zeros(num_groups).index_add(0, group, r) / counts.clamp(min=1)
+        squares = r.new_zeros(num_groups).index_add(0, group, w * (r - mean[group]) ** 2)
+        std = (squares / (counts - 1).clamp(min=1)).sqrt()[group]
+    else:
+        n = w.sum()
+        mean = (w * r).sum() / n.clamp(min=1)
+        std = ((w * (r - mean) ** 2).sum() / (n - 1).clamp(min=1)).sqrt().expand_as(r)
+    scaled = counts[group] > 1
+    return torch.where(rewarded & scaled, adv / (std + eps), adv)
 
 
 def opd_advantages(

@@ -3,20 +3,45 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.functional import dr_grpo_advantages
+from composer_lightning.functional import grpo_advantages
 from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.heads.schedules import Schedule
 from composer_lightning.step import StepContext
 
 
 class DrGRPOHead(Head):
-    """`A_i = R_i − mean(rewarded R in group)`, broadcast over response tokens; 0 without reward."""
+    """`A_i = R_i − mean(rewarded R in group)`, broadcast over response tokens; 0 without reward.
+
+    Args:
+        scale_rewards: "none" (Dr. GRPO, default); "group" divides by the group's reward
+            standard deviation + 1e-4 (GRPO, TRL's default) and "batch" by the rollout
+            batch's (`functional.grpo_advantages`), for comparison with TRL's `scale_rewards`.
+        weight, name, schedule: as `Head`'s.
+    """
 
     default_name = "dr_grpo"
 
+    def __init__(
+        self,
+        weight: float = 1.0,
+        scale_rewards: Literal["none", "group", "batch"] = "none",
+        name: str | None = None,
+        schedule: Schedule | None = None,
+    ):
+        super().__init__(name=name, weight=weight, schedule=schedule)
+        if scale_rewards not in ("none", "group", "batch"):
+            raise ValueError(
+                f"{self.name}: scale_rewards must be 'none', 'group' or 'batch', got "
+                f"{scale_rewards!r}"
+            )
+        self.scale_rewards = scale_rewards
+
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         rewards = batch.rewards.to(ctx.logprobs.dtype)
-        adv = dr_grpo_advantages(rewards, batch.group_ids, batch.has_reward)  # [B]
+        adv = grpo_advantages(rewards, batch.group_ids, batch.has_reward, self.scale_rewards)
         active = batch.response_mask & batch.has_reward.unsqueeze(1)  # [B, T]
         advantages = adv.unsqueeze(1) * active
         return HeadOutput(

@@ -147,6 +147,21 @@ class _VerifierBase:
             self._cache[name] = get_task(name)
         return self._cache[name]
 
+    def check(self, problems: Sequence[Problem]) -> str | None:
+        """What keeps this verifier from judging `problems` (no task to look up, an unknown
+        task, a field its verifier reads missing), said once for the first such problem; None
+        when it can judge them all. Called before a run starts, so that a misconfiguration is
+        one line instead of a warning per sample."""
+        for i, problem in enumerate(problems):
+            try:
+                task = self._task_for(problem)
+            except (ValueError, KeyError, ImportError) as err:
+                return f"problem {i}: {err}"
+            missing = [f for f in task.required_fields if f not in problem]
+            if missing:
+                return f"problem {i}: the {task.name!r} verifier needs field(s) {missing}"
+        return None
+
     def _verify(self, problem: Problem, completion: str) -> Verdict:
         return self._task_for(problem).verify(problem, completion)
 

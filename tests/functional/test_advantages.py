@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from composer_lightning.functional import dr_grpo_advantages, opd_advantages
+from composer_lightning.functional import dr_grpo_advantages, grpo_advantages, opd_advantages
 
 
 def ref_dr_grpo(rewards, group_ids, has_reward):
@@ -99,3 +99,55 @@ def test_opd_shape_error():
         match=r"teacher_logprobs \[2, 5\] and response_mask \[2, 4\] must have the same shape",
     ):
         opd_advantages(torch.zeros(2, 5), torch.zeros(2, 5), torch.ones(2, 4))
+
+
+def trl_scaled_advantages(rewards, group_ids, has_reward, scale_rewards):
+    """TRL 1.16 `GRPOTrainer._generate_and_score_completions` (`sum_then_normalize`), its lines
+    on NaN-marked rewards (unscorable samples are NaN; their advantage is then set to 0), for
+    equal-size contiguous groups."""
+
+    def nanstd(t, dim=None):  # trl.trainer.utils.nanstd
+        mean = torch.nanmean(t, dim=dim, keepdim=True)
+        variance = torch.nanmean((t - mean) ** 2, dim=dim, keepdim=True)
+        count = torch.sum(~torch.isnan(t), dim=dim, keepdim=True)
+        variance = variance * count / (count - 1)
+        return torch.sqrt(variance).squeeze() if dim is None else torch.sqrt(variance).squeeze(dim)
+
+    n = int(torch.bincount(group_ids).max())
+    r = torch.where(has_reward, rewards, torch.full_like(rewards, math.nan))
+    mean = torch.nanmean(r.view(-1, n), dim=1).repeat_interleave(n, dim=0)
+    if scale_rewards == "group":
+        std = nanstd(r.view(-1, n), dim=1).repeat_interleave(n, dim=0)
+    else:
+        std = nanstd(r).expand_as(r)
+    adv = (r - mean) / (std + 1e-4)
+    return torch.where(has_reward, adv, torch.zeros_like(adv))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_scaled_advantages_equal_trls_definition(scale):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.arange(6).repeat_interleave(4)  # 6 prompts x G = 4
+    rewards = torch.rand(24, generator=g, dtype=torch.float64)
+    has = torch.ones(24, dtype=torch.bool)
+    has[[1, 6, 7, 13]] = False  # every group keeps >= 2 rewarded members
+    got = grpo_advantages(rewards, ids, has, scale)
+    want = trl_scaled_advantages(rewards, ids, has, scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
+def test_scaled_advantages_by_hand():
+    """Group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3); group [2, 2]: std 0, so A = 0;
+    a singleton rewarded group keeps A = R; "none" is Dr. GRPO."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 0.7], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    want = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.7], dtype=torch.float64)
+    torch.testing.assert_close(
+        grpo_advantages(rewards, ids, None, "group"), want, rtol=0, atol=1e-12
+    )
+    assert torch.equal(
+        grpo_advantages(rewards, ids, None, "none"), dr_grpo_advantages(rewards, ids)
+    )
+    with pytest.raises(ValueError, match="scale_rewards must be 'group', 'batch' or 'none'"):
+        grpo_advantages(rewards, ids, None, "std")

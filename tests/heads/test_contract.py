@@ -107,7 +107,10 @@ def test_head_bad_input_names_the_value(make, match):
         (dict(clip_high=-0.1), "clip_high"),
         (dict(dual_clip=1.0), "dual_clip"),
         (dict(mixing="both"), "mixing must be one of .* got 'both'"),
-        (dict(temperature=0.0), "temperature must be > 0, got 0.0"),
+        (
+            dict(temperature=0.0),
+            r"temperature must be > 0 or None \(the sampling temperature\), got 0.0",
+        ),
         (dict(ppo_epochs=0), "ppo_epochs must be an integer >= 1, got 0"),
         (dict(variance_matching="nope"), "variance_matching names head 'nope'"),
     ],

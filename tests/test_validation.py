@@ -1,0 +1,149 @@
+"""Held-out validation measures what the run trains for: the run's own score provider, solved at
+a threshold, the mean reward beside it; a provider that cannot judge the problems is one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import lightning as L
+import pytest
+import torch
+
+from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.datamodules.rollout import RolloutDataModule
+from composer_lightning.engines import HFEngine, SamplingConfig
+from composer_lightning.engines.base import Completion
+from composer_lightning.errors import ConfigError
+from composer_lightning.heads.dr_grpo import DrGRPOHead
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.module import ComposerModule
+from composer_lightning.tasks import FunctionScore, VerifierHint
+from composer_lightning.validation import evaluate
+
+POLICY = tiny_policy_path()
+
+
+class _Chars:
+    """A tokenizer of one character per id (what `evaluate` needs: `decode`)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def _generate(greedy: list[str], sampled: list[list[str]]):
+    def generate(prompts, n, sampling):
+        texts = [[g] for g in greedy] if sampling.temperature == 0 else sampled
+        assert len(texts) == len(prompts) and all(len(t) == n for t in texts)
+        return [[Completion([ord(c) for c in t], [0.0] * len(t), "stop") for t in g] for g in texts]
+
+    return generate
+
+
+def test_figures_count_a_prompt_solved_at_the_threshold_and_report_the_mean_reward():
+    """Scores are the completion's length / 10 ("x" scores None): by hand, with threshold 0.3,
+    greedy solves prompts 0 and 2 (0.3, 0.5; not 0.2), pass@2 solves 0, 1 and 2 (0.4, 0.3,
+    0.3; prompt 3 has 0.1 and None), the mean reward is over the 7 scored completions of 8."""
+
+    def score(problem, completion):
+        return None if completion == "x" else len(completion) / 10
+
+    figures = evaluate(
+        _generate(
+            ["aaa", "aa", "aaaaa", "a"], [["a", "aaaa"], ["aaa", "a"], ["aa", "aaa"], ["a", "x"]]
+        ),
+        FunctionScore(score),
+        _Chars(),
+        prompts=[[1], [2], [3], [4]],
+        problems=[{"prompt": str(i)} for i in range(4)],
+        sampling=SamplingConfig(temperature=1.0, max_tokens=8),
+        k=2,
+        seed=0,
+        threshold=0.3,
+    )
+    rewards = [0.1, 0.4, 0.3, 0.1, 0.2, 0.3, 0.1]
+    assert figures["accuracy"] == (2 / 4, 4.0)
+    assert figures["pass@2"] == (3 / 4, 4.0)
+    assert figures["reward_mean"][0] == pytest.approx(sum(rewards) / 7, abs=1e-12)
+    assert figures["reward_mean"][1] == 7.0
+    assert figures["response_length"] == (16 / 8, 8.0)
+
+
+def _prompt_file(tmp_path, n=40):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(n))
+    )
+    return str(path)
+
+
+def _trainer(cb, **kw):
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        **kw,
+    )
+
+
+def test_validation_uses_the_runs_own_score_by_default(tmp_path, caplog):
+    """A custom reward on a prompt file without a task: validation scores with it (the built-in
+    verifier would warn once per completion that the problem has no task, and score nothing)."""
+    calls = []
+
+    def reward(problem, completion):
+        calls.append(problem["answer"])
+        return 0.5
+
+    cb = RolloutCallback(
+        HFEngine(model_path=POLICY, seed=0),
+        group_size=2,
+        sampling=SamplingConfig(max_tokens=4, seed=0),
+        score=FunctionScore(reward),
+        val_samples=2,
+        val_threshold=0.5,
+    )
+    dm = RolloutDataModule(
+        tokenizer=POLICY, task=None, prompt_file=_prompt_file(tmp_path), prompts_per_step=4
+    )
+    module = ComposerModule(POLICY, [DrGRPOHead()], optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+    with caplog.at_level(logging.WARNING):
+        (figures,) = _trainer(cb, max_steps=1).validate(module, dm)
+    held = len(dm.validation_problems())
+    assert held > 0 and len(calls) == held * 3  # one greedy and two sampled completions each
+    assert figures["val/reward_mean"] == pytest.approx(0.5)
+    assert figures["val/accuracy"] == 1.0 and figures["val/pass@2"] == 1.0  # 0.5 >= 0.5
+    assert not [r for r in caplog.records if "task" in r.getMessage()]
+
+
+def test_a_provider_that_cannot_judge_the_problems_is_one_line_at_start(tmp_path):
+    """The verifier's hints on a prompt file without a task: one ConfigError naming the
+    provider before anything is generated, not a warning per sample."""
+    engine = HFEngine(model_path=POLICY, seed=0)
+    cb = RolloutCallback(
+        engine,
+        group_size=2,
+        sampling=SamplingConfig(max_tokens=4, seed=0),
+        score=FunctionScore(lambda p, c: 1.0),
+        hint=VerifierHint(),
+    )
+    dm = RolloutDataModule(
+        tokenizer=POLICY, task=None, prompt_file=_prompt_file(tmp_path), prompts_per_step=4
+    )
+    module = ComposerModule(POLICY, [DrGRPOHead()])
+    with pytest.raises(
+        ConfigError, match=r"rollout.hint \(VerifierHint\) cannot judge .*no 'task'"
+    ):
+        _trainer(cb, max_steps=1).fit(module, dm)
+    assert engine.weight_version is None or engine.weight_version == 0  # nothing generated
+
+
+def test_held_out_lines_of_a_prompt_file_carry_the_datas_task(tmp_path):
+    """The verifier finds the task of a held-out line as it does a training line's."""
+    dm = RolloutDataModule(tokenizer=POLICY, task="arithmetic", prompt_file=_prompt_file(tmp_path))
+    held = dm.validation_problems()
+    assert held and all(p["task"] == "arithmetic" for p in held)
+    assert RolloutCallback(HFEngine(model_path=POLICY)).val_score.check(held) is None
