@@ -86,26 +86,37 @@ def refuse_resume(trainer: Any, module: Any, ckpt_path: str | None) -> None:
     module.resume_differences(checkpoint, trainer.world_size).raise_refused()
 
 
-def one_run_dir(trainer: Any) -> str | None:
-    """Make the loggers' `save_dir` follow `trainer.default_root_dir` when both are set and
-    differ: checkpoints follow the logger, so a YAML logger's `save_dir: runs` would otherwise
-    keep logs and checkpoints in runs/ whatever `--trainer.default_root_dir` says.
+def one_run_dir(trainer: Any, fallback_root: str) -> str | None:
+    """Put every logger's files in the run's directory.
+
+    - A logger whose `save_dir` is its class's default (W&B's ".", MLflow's "./mlruns": the
+      working directory) saves under the run's root, `trainer.default_root_dir` or else
+      `fallback_root`: its files, checkpoints, `rollouts.jsonl` and `curves.png` then all land
+      in one directory, as they do for a TensorBoard or CSV logger.
+    - A `save_dir` that differs from a given `trainer.default_root_dir` follows it: checkpoints
+      follow the logger, so a YAML logger's `save_dir: runs` would otherwise keep logs and
+      checkpoints in runs/ whatever `--trainer.default_root_dir` says.
 
     Args:
         trainer: the `trainer` section of the parsed configuration (changed in place).
+        fallback_root: the run's root when `default_root_dir` is not given.
 
     Returns:
-        The line that says which directory won, or None when nothing was moved.
+        The line that says which directory won over a given `save_dir`, or None.
     """
-    root = trainer.get("default_root_dir") if trainer is not None else None
-    if not root:
+    if trainer is None:
         return None
+    root = trainer.get("default_root_dir")
     loggers = trainer.get("logger")
     moved = []
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(logger, "init_args", None)
-        save_dir = getattr(args, "save_dir", None) if args is not None else None
-        if save_dir is not None and os.path.abspath(str(save_dir)) != os.path.abspath(str(root)):
+        if args is None or "save_dir" not in args:
+            continue
+        save_dir = args.save_dir
+        if _is_default_save_dir(getattr(logger, "class_path", None), save_dir):
+            args.save_dir = root or fallback_root
+        elif root and save_dir is not None and _differ(save_dir, root):
             moved.append(str(save_dir))
             args.save_dir = root
     if not moved:
@@ -114,6 +125,28 @@ def one_run_dir(trainer: Any) -> str | None:
         f"trainer.default_root_dir {root!r} wins over the logger's save_dir "
         f"{', '.join(map(repr, moved))}: logs and checkpoints go under {root}"
     )
+
+
+def _differ(a: Any, b: Any) -> bool:
+    return os.path.abspath(str(a)) != os.path.abspath(str(b))
+
+
+def _is_default_save_dir(class_path: str | None, save_dir: Any) -> bool:
+    """Whether `save_dir` is the default of the logger class's `save_dir` argument."""
+    module, _, name = (class_path or "").rpartition(".")
+    try:
+        default = (
+            inspect.signature(getattr(importlib.import_module(module), name))
+            .parameters["save_dir"]
+            .default
+        )
+    except (ImportError, AttributeError, ValueError, KeyError, TypeError):
+        return False
+    if default is inspect.Parameter.empty:  # required (TensorBoard, CSV): always given
+        return False
+    if default is None:
+        return save_dir is None
+    return save_dir is not None and not _differ(save_dir, default)
 
 
 def _help_formatter() -> type:
@@ -271,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def before_instantiate_classes(self) -> None:
             section = self.config.get(str(self.subcommand)) if self.subcommand else self.config
-            say = one_run_dir(section.get("trainer") if section is not None else None)
+            say = one_run_dir(
+                section.get("trainer") if section is not None else None,
+                os.path.join("runs", self._run_name()),
+            )
             if say and rank_zero_only.rank == 0:
                 print(f"composer_lightning: {say}", flush=True)
 

@@ -24,9 +24,9 @@ BUILTINS = ["dr_grpo", "kl", "opd", "replay_dpo", "sdpo"]
 
 
 def run_cli(
-    *args: str, pythonpath: str | None = None, cwd: Path = ROOT
+    *args: str, pythonpath: str | None = None, cwd: Path = ROOT, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     return subprocess.run(

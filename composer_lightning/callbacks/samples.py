@@ -1,8 +1,10 @@
 """What the model says: sampled prompts, completions, rewards and hints, every N steps.
 
-Rows go to `rollouts.jsonl` in the run directory (one JSON object per sample, with the step) and,
-with a TensorBoard logger, to its TEXT tab as a table. Rank 0 writes its own samples. A run
-without a logger (`logger=False`) has no run directory: nothing is written.
+Rows go to `rollouts.jsonl` in the run directory (one JSON object per sample, with the step) and
+to each logger's own table or text API where it has one: TensorBoard's TEXT tab (a Markdown
+table), a W&B table (`rollouts`), an MLflow text artifact (`rollouts/step_000010.md`); a CSV
+logger has none (the JSONL file is beside its metrics). Rank 0 writes its own samples. A run
+without a logger (`logger=False`) writes nothing.
 """
 
 from __future__ import annotations
@@ -15,29 +17,52 @@ import lightning as L
 
 
 def run_dir(trainer: L.Trainer) -> str:
-    """The run's directory: the logger's version directory, else `default_root_dir`.
+    """The run's directory, where its checkpoints go too: `<save_dir>/<name>/<version>` of the
+    first logger, as `ModelCheckpoint` resolves it (TensorBoard and CSV: the logger's
+    `log_dir`; W&B: `<save_dir>/<project>/<run id>`; MLflow: `<save_dir>/<experiment
+    id>/<run id>`), else `default_root_dir`.
 
     Not `trainer.log_dir`: that is a broadcast from rank 0 (a collective), and this is called
     on rank 0 alone."""
-    logger = trainer.logger
-    directory = getattr(logger, "log_dir", None) if logger is not None else None
-    return directory or trainer.default_root_dir
+    if not trainer.loggers:
+        return trainer.default_root_dir
+    logger = trainer.loggers[0]
+    if logger.version is None and hasattr(logger, "experiment"):
+        _ = logger.experiment  # W&B names its run when the run starts (as Lightning's setup does)
+    version = logger.version
+    version = version if isinstance(version, str) else f"version_{version}"
+    return os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version)
 
 
 def write_samples(trainer: L.Trainer, step: int, rows: list[dict[str, Any]]) -> None:
-    """Append `rows` (prompt, completion, reward, hint) of `step` to the run's samples."""
-    if not rows or not trainer.is_global_zero or trainer.logger is None:
+    """Append `rows` (prompt, completion, reward, hint) of `step` to the run's samples, and
+    hand them to each logger's table or text API."""
+    if not rows or not trainer.is_global_zero or not trainer.loggers:
         return
     directory = run_dir(trainer)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "rollouts.jsonl"), "a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n")
-    from lightning.pytorch.loggers import TensorBoardLogger
-
     for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_text("rollouts", markdown_table(rows), global_step=step)
+        log_rows(logger, step, rows)
+
+
+def log_rows(logger: Any, step: int, rows: list[dict[str, Any]]) -> None:
+    """The rows in `logger`'s own table or text API, where it has one."""
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    if isinstance(logger, TensorBoardLogger):
+        logger.experiment.add_text("rollouts", markdown_table(rows), global_step=step)
+    elif isinstance(logger, WandbLogger):
+        columns = list(rows[0])
+        logger.log_table(
+            "rollouts", columns=columns, data=[[r.get(k) for k in columns] for r in rows], step=step
+        )
+    elif isinstance(logger, MLFlowLogger):
+        logger.experiment.log_text(
+            logger.run_id, markdown_table(rows), f"rollouts/step_{step:06d}.md"
+        )
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
