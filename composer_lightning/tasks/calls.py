@@ -1,8 +1,9 @@
-"""Per-sample calls of user code (reward functions, verifiers, hint functions) under a timeout.
+"""Calls of user code (reward functions, verifiers, hint functions) under a timeout.
 
 Each call runs on a daemon thread of its own while the training loop waits at most `timeout`
 seconds for it. A call that takes longer is a failure of its sample (one warning line, counted
-like a raising call) and the loop goes on with the next sample.
+like a raising call) and the loop goes on with the next sample. A batched call (`call_batch`,
+TRL-style reward functions) has one timeout for the whole batch and fails all its samples.
 
 A thread cannot be killed: a call that times out keeps running in the background until it
 returns, and its result is then dropped; a call that never returns keeps its thread for the
