@@ -9,8 +9,8 @@ Two forms of reward function:
   its `"messages"`), `completions` (strings; for a chat prompt, `[{"role": "assistant",
   "content": text}]` each, as TRL gives them), `completion_ids` (token ids; None where the
   caller has none, e.g. validation), every other field of the problems by name (dataset
-  columns such as `answer` or `solution`, one value per completion) and `trainer_state=None`
-  (the provider does not see the trainer).
+  columns such as `answer` or `solution`, one value per completion), `trainer_state=None`
+  (the provider does not see the trainer) and no-op `log_extra` / `log_metric`.
 
 `batched=None` tells the forms apart by the signature: a function with a parameter named
 `prompts` or `completions` is batched (TRL's names), any other is per sample; `batched=True` /
@@ -85,7 +85,12 @@ def trl_inputs(
     columns = dict.fromkeys(k for p in problems for k in p if k not in _NOT_COLUMNS)
     out.update({k: [p.get(k) for p in problems] for k in columns})
     out["trainer_state"] = None
+    out["log_extra"] = out["log_metric"] = _ignore  # TRL logs through these; here they are no-ops
     return out
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _number_or_none(value: Any) -> tuple[float | None]:

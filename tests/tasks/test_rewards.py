@@ -68,6 +68,8 @@ def test_a_batched_function_receives_what_trl_passes():
     seen = {}
 
     def reward(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+        kwargs.pop("log_extra")("column", [1, 2])  # TRL's logging hooks: accepted, ignored
+        kwargs.pop("log_metric")("name", 1.0)
         seen.update(
             prompts=prompts, completions=completions, ids=completion_ids, answer=answer, **kwargs
         )
