@@ -7,6 +7,14 @@ next assistant turn. Teacher and student are aligned by `teacher_positions` (the
 of each student response token), built by rendering the chat turn by turn: that needs a
 *prefix-stable* template (rendering the first k turns gives a token prefix of rendering k + 1);
 a template that is not raises ValueError rather than misalign tokens.
+
+Without a chat template (a base model) prompts are plain text, as in TRL's standard format: a
+`{"prompt": text}` problem (or a task's chat of one user message) is tokenised as it is
+(`tokenizer(text)`, special tokens as the tokenizer adds them), and the hint is appended to the
+prompt text, `prompt + BASE_HINT_SEPARATOR + hint + BASE_HINT_SEPARATOR`, before the same
+response ids. Any other chat (a conversational `{"prompt": [...]}` row, a system message, a
+tool trace) needs a template: one ValueError naming the tokenizer, as TRL's
+`apply_chat_template` refuses it.
 """
 
 from __future__ import annotations
@@ -16,29 +24,86 @@ from typing import Any
 
 Message = dict[str, Any]
 
+#: What separates a base model's prompt text from the hint, and the hint from the response.
+BASE_HINT_SEPARATOR = "\n\n"
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer has a chat template (a base model's tokenizer usually has none)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _no_template(tokenizer: Any, what: str) -> ValueError:
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    return ValueError(
+        f"tokenizer {name!r} has no chat template, so {what} cannot be rendered: give plain-text "
+        'prompts ({"prompt": "..."}) or a tokenizer with a chat template'
+    )
+
 
 def render_ids(
     tokenizer: Any, messages: list[Message], add_generation_prompt: bool = False
 ) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template (no extra special tokens)."""
+    """Token ids of `messages` under the tokenizer's chat template (no extra special tokens).
+
+    Raises:
+        ValueError: the tokenizer has no chat template (one line naming it).
+    """
+    if not has_chat_template(tokenizer):
+        raise _no_template(tokenizer, "a chat")
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
 def problem_messages(problem: dict[str, Any]) -> list[Message]:
-    """A problem's chat: `"messages"`, or a `"prompt"` string as a single user message."""
+    """A problem's chat: `"messages"`, a conversational `"prompt"` (TRL's `{"prompt": [{"role",
+    "content"}, ...]}`), or a `"prompt"` string as a single user message."""
     if problem.get("messages"):
         return list(problem["messages"])
-    if isinstance(problem.get("prompt"), str):
-        return [{"role": "user", "content": problem["prompt"]}]
-    raise ValueError("a problem needs 'messages' (a chat) or 'prompt' (a string)")
+    prompt = problem.get("prompt")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if _is_chat(prompt):
+        return list(prompt)
+    raise ValueError(
+        "a problem needs 'messages' (a chat) or 'prompt' (a string, or a chat: a list of "
+        "{role, content})"
+    )
+
+
+def plain_prompt(problem: dict[str, Any]) -> str | None:
+    """A problem's prompt as plain text, for a tokenizer without a chat template: a `"prompt"`
+    string, or a `"messages"` chat of one user message (how the built-in tasks write a plain
+    prompt); None for any other chat, a conversational `"prompt"` row included (TRL refuses
+    those without a template too)."""
+    messages = problem.get("messages")
+    if messages:
+        only = messages[0] if len(messages) == 1 else {}
+        return only.get("content") if only.get("role") == "user" else None
+    prompt = problem.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def tokenize_prompt(tokenizer: Any, problem: dict[str, Any]) -> list[int]:
-    """The prompt ids the engine receives: chat template with the generation prompt."""
-    return render_ids(tokenizer, problem_messages(problem), add_generation_prompt=True)
+    """The prompt ids the engine receives: the chat template with the generation prompt, or,
+    without a template, the plain prompt tokenised as it is (TRL's standard format)."""
+    messages = problem_messages(problem)
+    if has_chat_template(tokenizer):
+        return render_ids(tokenizer, messages, add_generation_prompt=True)
+    text = plain_prompt(problem)
+    if text is None:
+        raise _no_template(tokenizer, "a conversational prompt (a chat)")
+    return list(tokenizer(text)["input_ids"])
 
 
 @dataclass
@@ -79,17 +144,25 @@ def single_turn_teacher(
     hint_role: str = "user",
 ) -> TeacherContext:
     """Teacher context: `messages` + hint message, generation prompt, then the same response.
+    Without a chat template (a base model, whose prompt is one plain-text user message):
+    `prompt + BASE_HINT_SEPARATOR + hint + BASE_HINT_SEPARATOR`, then the same response.
 
     Args:
-        tokenizer: a tokenizer with a chat template.
+        tokenizer: the policy's tokenizer.
         messages: the student's prompt chat.
         response_ids: the sampled response token ids (copied unchanged).
         hint: hint text.
         hint_role: role of the hint message ("user" or "system").
     """
-    prompt = render_ids(
-        tokenizer, [*messages, hint_message(hint, hint_role)], add_generation_prompt=True
-    )
+    if has_chat_template(tokenizer):
+        prompt = render_ids(
+            tokenizer, [*messages, hint_message(hint, hint_role)], add_generation_prompt=True
+        )
+    elif len(messages) == 1 and messages[0]["role"] == "user":
+        sep = BASE_HINT_SEPARATOR
+        prompt = list(tokenizer(f"{messages[0]['content']}{sep}{hint}{sep}")["input_ids"])
+    else:
+        raise _no_template(tokenizer, "a conversational prompt (a chat)")
     return TeacherContext(teacher_ids=prompt + list(response_ids), response_start=len(prompt))
 
 
@@ -165,8 +238,11 @@ def multi_turn_sample(
     the hint to supervise).
 
     Raises:
-        ValueError: the chat template is not prefix-stable, so tokens cannot be aligned.
+        ValueError: the tokenizer has no chat template, or it is not prefix-stable, so tokens
+            cannot be aligned.
     """
+    if not has_chat_template(tokenizer):
+        raise _no_template(tokenizer, "a multi-turn tool trace")
     student, spans = _turn_spans(tokenizer, messages)
     response_mask = [False] * len(student)
     for (_, content_start, end), msg in zip(spans, messages, strict=True):

@@ -13,6 +13,7 @@ batch (unless every score failed: `ScoringError`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -47,8 +48,12 @@ def provider_values(
     kind: str,
     problems: list[dict[str, Any]],
     completions: list[str],
+    completion_ids: list[list[int]] | None = None,
 ) -> tuple[list[Any], int]:
     """A provider's scores (`kind="score"`) or hints (`kind="hint"`) of one batch, checked.
+
+    `completion_ids` go to a provider whose method takes a `completion_ids` argument
+    (`FunctionScore`, for TRL-style reward functions); others get problems and texts only.
 
     Returns:
         One value per sample (None where it failed), and the number of failed samples: those
@@ -57,8 +62,9 @@ def provider_values(
     """
     n, name = len(problems), type(provider).__name__
     call = provider.score if kind == "score" else provider.hints
+    extra = {"completion_ids": completion_ids} if _takes(call, "completion_ids") else {}
     try:
-        values = list(call(problems, completions))
+        values = list(call(problems, completions, **extra))
     except Exception as exc:  # a broken provider fails its samples, not the run
         log.warning(
             "%s provider %s raised on the whole batch (no sample gets a %s): %s: %s",
@@ -103,6 +109,13 @@ def provider_values(
             )
             out.append(None)
     return out, min(failed, n)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def rollout_sample(
@@ -156,7 +169,8 @@ def build_rollout(
     flat = [(i, c) for i, group in enumerate(outs) for c in group]
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
     flat_problems = [problems[i] for i, _ in flat]
-    scores, failures = provider_values(score, "score", flat_problems, texts)
+    ids = [list(c.token_ids) for _, c in flat]
+    scores, failures = provider_values(score, "score", flat_problems, texts, ids)
     hints, hint_failures = (
         provider_values(hint, "hint", flat_problems, texts)
         if hint is not None

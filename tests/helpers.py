@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -238,3 +241,17 @@ class PrintStaleness(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         value = trainer.callback_metrics.get("rollout/staleness")
         print(f"STALENESS {trainer.global_step - 1} {int(value)}", file=sys.stderr, flush=True)
+
+
+def base_model_dir(tmp_path: Path) -> str:
+    """A copy of the tiny policy whose tokenizer has no chat template (a base model's)."""
+    from composer_lightning.models.tiny import tiny_policy_path, write_checksums
+
+    out = tmp_path / "base_policy"
+    shutil.copytree(tiny_policy_path(), out)
+    (out / "chat_template.jinja").unlink()
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    write_checksums(out)
+    return str(out)

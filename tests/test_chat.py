@@ -154,3 +154,53 @@ def test_non_prefix_stable_template_raises(tok) -> None:
     )
     with pytest.raises(ValueError, match="prefix-stable"):
         multi_turn_sample(bad, trace(), hint=HINT)
+
+
+def test_a_conversational_prompt_row_is_its_chat(tok) -> None:
+    """TRL's conversational format, `{"prompt": [messages]}`, is the same chat as `messages`."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert tokenize_prompt(tok, {"prompt": messages}) == tokenize_prompt(
+        tok, {"messages": messages}
+    )
+    with pytest.raises(ValueError, match="a chat: a list of"):
+        tokenize_prompt(tok, {"prompt": [{"text": "2+2?"}]})
+
+
+@pytest.fixture(scope="module")
+def base_tok(tmp_path_factory):
+    from tests.helpers import base_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir(tmp_path_factory.mktemp("base")))
+    assert tokenizer.chat_template is None
+    return tokenizer
+
+
+def test_a_base_model_prompt_is_the_text_as_it_is(base_tok) -> None:
+    text = "What is 3 + 4?"
+    assert tokenize_prompt(base_tok, {"prompt": text}) == base_tok(text)["input_ids"]
+    assert tokenize_prompt(base_tok, Arithmetic().make(3, "+", 4)) == base_tok(text)["input_ids"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    for problem in ({"prompt": chat[1:]}, {"messages": chat}):
+        with pytest.raises(ValueError, match=r"tokenizer '.*base_policy' has no chat template"):
+            tokenize_prompt(base_tok, problem)
+
+
+def test_a_base_model_hint_is_appended_to_the_prompt_text(base_tok) -> None:
+    """Teacher = tokens of `prompt + "\\n\\n" + hint + "\\n\\n"`, then the same response ids."""
+    prompt = tokenize_prompt(base_tok, {"prompt": "What is 3 + 4?"})
+    response = base_tok("8", add_special_tokens=False)["input_ids"] + [base_tok.eos_token_id]
+    ctx = single_turn_teacher(
+        base_tok, [{"role": "user", "content": "What is 3 + 4?"}], response, "Check the sum."
+    )
+    assert (
+        ctx.teacher_ids[: ctx.response_start]
+        == base_tok("What is 3 + 4?\n\nCheck the sum.\n\n")["input_ids"]
+    )
+    assert ctx.teacher_ids[ctx.response_start :] == response
+    positions = ctx.positions(len(prompt), len(prompt) + len(response))
+    assert [ctx.teacher_ids[p] for p in positions if p >= 0] == response
+
+
+def test_a_tool_trace_needs_a_chat_template_one_error_naming_the_tokenizer(base_tok) -> None:
+    with pytest.raises(ValueError, match=r"base_policy' has no chat template, so a multi-turn"):
+        multi_turn_sample(base_tok, trace(), hint=HINT)

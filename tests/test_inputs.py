@@ -136,3 +136,19 @@ def test_the_engine_context_is_its_max_model_len_else_the_model_config():
         f"max_position_embeddings of {POLICY}",
     )
     assert context_length(HFEngine(), POLICY) == (256, f"max_position_embeddings of {POLICY}")
+
+
+def test_a_base_model_prompt_too_long_is_the_same_one_line(tmp_path):
+    """Without a chat template the prompt is its plain text: fewer tokens (no role markers),
+    the same check and message. The vocabulary check passes on the base tokenizer."""
+    from tests.helpers import base_model_dir
+
+    base = base_model_dir(tmp_path)
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "1 + " * 84, "answer": 2}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dm = RolloutDataModule(tokenizer=base, task="arithmetic", prompt_file=str(path))
+    with pytest.raises(ConfigError) as err:
+        _fit(ComposerModule(base, [DrGRPOHead()]), dm)
+    assert not err.value.engine_started
+    assert str(err.value).startswith(f"prompt {path}:2 has 252 tokens: with max_tokens 6")

@@ -18,7 +18,12 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.chat import problem_messages, tokenize_prompt
-from composer_lightning.datamodules.jsonl import read_jsonl_lines, stream_positions
+from composer_lightning.datamodules.jsonl import stream_positions
+from composer_lightning.datamodules.prompts import (
+    load_prompt_dataset,
+    read_prompt_file,
+    truncate_left,
+)
 from composer_lightning.distributed import data_parallel
 from composer_lightning.resume import Differences
 from composer_lightning.resume import line as resume_line
@@ -26,33 +31,7 @@ from composer_lightning.tasks import Task, get_task
 from composer_lightning.tasks.base import Problem
 from composer_lightning.validation import is_heldout
 
-
-def read_prompt_file(path: str, task: str | None = None) -> list[tuple[int, dict[str, Any]]]:
-    """Problems from a JSONL file, with their line numbers: one `{"prompt": ...}` or
-    `{"messages": [...]}` per line, plus the fields its task's verifier reads (a line's `task`,
-    else `task`), checked here so that a missing field is one error naming the file and line,
-    not a failure per rollout."""
-    tasks: dict[str, Task] = {}
-
-    def check(obj: dict[str, Any]) -> str | None:
-        try:
-            problem_messages(obj)
-        except ValueError:
-            return "needs 'prompt' (a string) or 'messages' (a list of {role, content})"
-        name = obj.get("task", task)
-        if name is None:
-            return None
-        if name not in tasks:
-            try:
-                tasks[name] = get_task(name)
-            except (KeyError, ValueError, ImportError) as err:
-                return f"unknown task {name!r} ({err})"
-        missing = [f for f in tasks[name].required_fields if f not in obj]
-        if missing:
-            return f"the {name!r} verifier needs field(s) {missing}; this line has {sorted(obj)}"
-        return None
-
-    return read_jsonl_lines(path, "prompt", check)
+__all__ = ["PromptStream", "RolloutDataModule", "read_prompt_file"]
 
 
 class PromptStream(IterableDataset):
@@ -69,15 +48,27 @@ class PromptStream(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Tokenised prompt batches from a built-in task or a JSONL prompt file.
+    """Tokenised prompt batches from a built-in task, a JSONL prompt file or a `datasets` dataset.
+
+    Rows of a file or dataset are TRL's standard (`{"prompt": "text"}`) or conversational
+    (`{"prompt": [messages]}`) format, or `{"messages": [...]}`, plus any fields the verifier or
+    reward functions read (`datamodules/prompts.py`).
 
     Args:
-        tokenizer: local directory of the tokenizer (with a chat template); None: the policy's
-            directory (`ComposerModule.policy_path`).
+        tokenizer: local directory of the tokenizer (a chat template, or none for a base
+            model: plain-text prompts); None: the policy's directory.
         task: task short name (`arithmetic`, `reverse`) or dotted class path; its verifier
-            scores the rollouts. With a prompt file it is the verifier of lines without `task`.
+            scores the rollouts. With a prompt file or dataset it is the verifier of rows
+            without `task`; None with `FunctionScore`.
         task_args: keyword arguments of the task's constructor.
         prompt_file: JSONL prompts (plus any fields the verifier needs); None samples the task.
+        dataset: a `datasets` dataset instead: a hub id (`openai/gsm8k`), a local parquet /
+            JSON / CSV file, or a dataset directory (needs the `data` extra).
+        dataset_config: the dataset's configuration name (`main` for GSM8K), if any.
+        split: the dataset split to train on (`train`, `train[:1000]`).
+        columns: renames row fields, source → target (`{question: prompt}`), for either source.
+        max_prompt_length: as TRL's: prompts longer than this many tokens keep their last
+            `max_prompt_length` tokens (truncated from the left); None: no limit.
         prompts_per_step: prompts per rollout batch on each rank (each gets G samples).
         seed: seed of the prompt stream.
         val_fraction: share of the problem space held out for validation (by a hash of each
@@ -96,16 +87,34 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int = 0,
         val_fraction: float = 0.2,
         val_prompts: int = 64,
+        dataset: str | None = None,
+        dataset_config: str | None = None,
+        split: str = "train",
+        columns: dict[str, str] | None = None,
+        max_prompt_length: int | None = None,
     ):
         super().__init__()
-        if task is None and prompt_file is None:
-            raise ValueError("RolloutDataModule needs a task or a prompt_file")
+        if task is None and prompt_file is None and dataset is None:
+            raise ValueError("RolloutDataModule needs a task, a prompt_file or a dataset")
+        if prompt_file is not None and dataset is not None:
+            raise ValueError(
+                f"RolloutDataModule takes a prompt_file or a dataset, not both (got "
+                f"{prompt_file!r} and {dataset!r})"
+            )
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
         self.tokenizer_path, self.task_name, self.prompt_file = tokenizer, task, prompt_file
+        self.dataset, self.max_prompt_length = dataset, max_prompt_length
         self.task: Task | None = get_task(task, **(task_args or {})) if task is not None else None
-        self._file_lines = read_prompt_file(prompt_file, task) if prompt_file is not None else []
-        self.file_problems = [p for _, p in self._file_lines] if prompt_file is not None else None
+        if prompt_file is not None:
+            self._file_lines = read_prompt_file(prompt_file, task, columns)
+        elif dataset is not None:
+            self._file_lines = load_prompt_dataset(dataset, dataset_config, split, task, columns)
+        else:
+            self._file_lines = []
+        self.file_problems = [p for _, p in self._file_lines] if self._file_lines else None
         self.prompts_per_step, self.seed = prompts_per_step, seed
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -117,7 +126,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.file_problems = [p for p in self.file_problems if not is_heldout(p, val_fraction)]
             if not self.file_problems:
                 raise ValueError(
-                    f"every line of {prompt_file!r} is held out (val_fraction={val_fraction})"
+                    f"every row of {prompt_file or dataset!r} is held out "
+                    f"(val_fraction={val_fraction})"
                 )
             self._file_val = held[:val_prompts]
         self.consumed = 0  # prompt batches handed to training (the stream position)
@@ -203,29 +213,34 @@ class RolloutDataModule(L.LightningDataModule):
             {
                 "index": -1,
                 "problems": part,
-                "prompt_ids": [tokenize_prompt(self.tokenizer, p) for p in part],
+                "prompt_ids": [self.prompt_ids(p) for p in part],
             }
             for part in (mine[i : i + P] for i in range(0, len(mine), P))
         ]
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
     def labelled_prompts(self) -> Iterator[tuple[str, list[int]]]:
-        """`(where, prompt ids)` of the prompts to check before training: every line of the
-        prompt file (`file:line`), or the task's first prompt batch."""
+        """`(where, prompt ids)` of the prompts to check before training: every row of the
+        prompt file (`file:line`) or dataset (`dataset[split] row i`), or the task's first
+        prompt batch."""
         if self.file_problems is not None:
-            for line, problem in self._file_lines:
-                yield f"{self.prompt_file}:{line}", tokenize_prompt(self.tokenizer, problem)
+            for where, problem in self._file_lines:
+                yield where, self.prompt_ids(problem)
             return
         batch = self.prompt_batch(self.consumed)
         for j, ids in enumerate(batch["prompt_ids"]):
             yield f"{j} of rollout batch {batch['index']} (task {self.task_name})", ids
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """The engine's prompt ids of `problem`, left-truncated to `max_prompt_length`."""
+        return truncate_left(tokenize_prompt(self.tokenizer, problem), self.max_prompt_length)
 
     def prompt_batch(self, index: int) -> dict[str, Any]:
         problems = self.problems(index)
         return {
             "index": index,
             "problems": problems,
-            "prompt_ids": [tokenize_prompt(self.tokenizer, p) for p in problems],
+            "prompt_ids": [self.prompt_ids(p) for p in problems],
         }
 
     def train_dataloader(self) -> DataLoader:

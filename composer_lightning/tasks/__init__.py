@@ -3,7 +3,6 @@
 from composer_lightning.tasks.arithmetic import Arithmetic
 from composer_lightning.tasks.base import (
     FunctionHint,
-    FunctionScore,
     HintProvider,
     Problem,
     ScoreProvider,
@@ -15,6 +14,7 @@ from composer_lightning.tasks.base import (
 )
 from composer_lightning.tasks.registry import BUILTIN_TASKS, get_task
 from composer_lightning.tasks.reverse import ReverseDigits
+from composer_lightning.tasks.rewards import FunctionScore
 
 __all__ = [
     "BUILTIN_TASKS",

@@ -8,7 +8,8 @@ inputs of the four-way dispatch (DESIGN.md).
 
 Provider failures are per sample: a reward function that raises, returns something that is not
 a number, or runs past its timeout (`tasks/calls.py`) gives `None` for that sample (counted in
-`provider.failures`), never a crashed or stuck batch. Whether "every sample failed" is an error
+`provider.failures`), never a crashed or stuck batch. Reward functions (`FunctionScore`, TRL's
+batched form included) live in `tasks/rewards.py`. Whether "every sample failed" is an error
 is the caller's decision; `ScoringError.raise_if_all_failed` makes it a clear one.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from composer_lightning.tasks.calls import BadValue, as_hint, as_reward, call_each, check_timeout
+from composer_lightning.tasks.calls import BadValue, as_hint, call_each, check_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -219,54 +220,6 @@ class VerifierHint(_VerifierBase, HintProvider):
         return [None if v is None else v.hint for v in self._verdicts(problems, completions)]
 
 
-class FunctionScore(ScoreProvider):
-    """Scores with a plain reward function `fn(problem, completion) -> float`.
-
-    Any finite number (bool, int, float, or a 0-d array of one) is used as it is (group
-    advantages need no [0, 1] range); `clip` bounds it when asked. A call that raises, returns
-    anything else (None, NaN, a string such as "1") or runs past `timeout` gives None for that
-    sample, one warning line, and counts in `failures`.
-
-    Args:
-        fn: the reward function.
-        clip: optional `(low, high)` bounds the rewards are clipped to.
-        timeout: seconds one call may take before its sample gets no score (the call runs on in
-            a background thread, see `tasks/calls.py`); None: no limit, and calls run in the
-            training loop's thread.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[[Problem, str], float],
-        clip: tuple[float, float] | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-    ) -> None:
-        if clip is not None and not clip[0] <= clip[1]:
-            raise ValueError(
-                f"FunctionScore: clip must be (low, high) with low <= high, got {clip}"
-            )
-        self.fn, self.clip = fn, clip
-        self.timeout = check_timeout(timeout, "FunctionScore")
-        self.failures = 0
-
-    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
-        _check_lengths(problems, completions)
-        values, failures = call_each(
-            self.fn,
-            problems,
-            completions,
-            self.timeout,
-            "reward function",
-            "it gets no score",
-            as_reward,
-        )
-        self.failures += failures
-        if self.clip is None:
-            return values
-        low, high = self.clip
-        return [None if v is None else min(high, max(low, v)) for v in values]
-
-
 class FunctionHint(HintProvider):
     """Hints from a plain function `fn(problem, completion) -> str | None` (None: no hint).
 
@@ -275,8 +228,9 @@ class FunctionHint(HintProvider):
 
     Args:
         fn: the hint function.
-        timeout: seconds one call may take before its sample gets no hint; None: no limit (see
-            `FunctionScore`).
+        timeout: seconds one call may take before its sample gets no hint (it runs on in a
+            background thread, see `tasks/calls.py`); None: no limit, and calls run in the
+            training loop's thread.
     """
 
     def __init__(

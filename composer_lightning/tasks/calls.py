@@ -1,8 +1,9 @@
-"""Per-sample calls of user code (reward functions, verifiers, hint functions) under a timeout.
+"""Calls of user code (reward functions, verifiers, hint functions) under a timeout.
 
 Each call runs on a daemon thread of its own while the training loop waits at most `timeout`
 seconds for it. A call that takes longer is a failure of its sample (one warning line, counted
-like a raising call) and the loop goes on with the next sample.
+like a raising call) and the loop goes on with the next sample. A batched call (`call_batch`,
+TRL-style reward functions) has one timeout for the whole batch and fails all its samples.
 
 A thread cannot be killed: a call that times out keeps running in the background until it
 returns, and its result is then dropped; a call that never returns keeps its thread for the
@@ -37,19 +38,26 @@ def check_timeout(timeout: float | None, owner: str) -> float | None:
     return float(timeout)
 
 
-def call_with_timeout(fn: Callable[..., Any], args: Sequence[Any], timeout: float | None) -> Any:
-    """`fn(*args)`, or `CallTimeout` once it has run `timeout` seconds (None: no limit).
+def call_with_timeout(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    timeout: float | None,
+    kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """`fn(*args, **kwargs)`, or `CallTimeout` once it has run `timeout` seconds (None: no
+    limit).
 
     Raises:
         CallTimeout: the call is still running. Whatever `fn` raised, re-raised.
     """
+    kwargs = kwargs or {}
     if timeout is None:
-        return fn(*args)
+        return fn(*args, **kwargs)
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            box["value"] = fn(*args)
+            box["value"] = fn(*args, **kwargs)
         except BaseException as exc:  # handed to the caller
             box["error"] = exc
 
@@ -62,6 +70,36 @@ def call_with_timeout(fn: Callable[..., Any], args: Sequence[Any], timeout: floa
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def call_batch(
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    n: int,
+    timeout: float | None,
+    subject: str,
+    consequence: str,
+) -> list[Any] | None:
+    """`fn(**kwargs)` once for a batch of `n` samples, under one `timeout` for the whole call.
+
+    Returns:
+        The `n` values as the call returned them, or None when the call raised, timed out or
+        did not return a list of `n` values: then every sample of the batch failed, and one
+        warning line says why (`<subject> raised on a batch of 8 samples (<consequence>): ...`).
+    """
+    try:
+        values = call_with_timeout(fn, (), timeout, kwargs)
+    except CallTimeout:
+        why = f"timed out after {timeout:g} s (the call runs on in the background)"
+    except Exception as exc:  # a broken function must not crash the batch
+        why = f"raised {type(exc).__name__}: {exc}"
+    else:
+        if isinstance(values, (list, tuple)) and len(values) == n:
+            return list(values)
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else repr(values)[:80]
+        why = f"returned {got}, expected a list of {n} values (one per completion)"
+    logger.warning("%s %s on a batch of %d samples (%s)", subject, why, n, consequence)
+    return None
 
 
 class BadValue(ValueError):
