@@ -29,6 +29,7 @@ import lightning as L
 from torchmetrics import MeanMetric
 
 from composer_lightning.chat import problem_messages
+from composer_lightning.dispatch import provider_values
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.tasks.base import Problem, ScoreProvider
 
@@ -74,13 +75,13 @@ def evaluate(
             [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
             for group in outs
         ]
-        failures = getattr(score, "failures", 0)  # the training batch's count, kept apart
-        flat = score.score(
+        flat, _ = provider_values(  # as training calls it (failures: per sample, not counted)
+            score,
+            "score",
             [p for p, group in zip(problems, texts, strict=True) for _ in group],
             [t for group in texts for t in group],
+            [list(c.token_ids) for group in outs for c in group],
         )
-        if hasattr(score, "failures"):
-            score.failures = failures
         it = iter(flat)
         return [[next(it) for _ in group] for group in texts]
 
