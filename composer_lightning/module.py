@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.callbacks.checkpoints import AtomicCheckpoints
 from composer_lightning.callbacks.precision import AbsorbedUpdates
+from composer_lightning.callbacks.progress import in_place_of_the_default_bar
 from composer_lightning.callbacks.stop import CheckpointOnStop
 from composer_lightning.canary import (
     CANARY_METRICS,
@@ -186,7 +187,9 @@ class ComposerModule(L.LightningModule):
         # always on: 16-bit weights that swallow updates are reported; a signal loses nothing;
         # a checkpoint is whole or not written
         check_trainer_options(self.trainer)  # Lightning checks these next, in its own words
-        return [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
+        # progress in optimizer steps, not Lightning's "Epoch 0/-2" of an endless stream
+        bar = in_place_of_the_default_bar(self.trainer)
+        return bar + [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:
         opt, sched = self._optimizer_and_scheduler(self.policy.parameters())

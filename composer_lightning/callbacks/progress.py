@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 #: Metrics shown, in this order, under these labels (all `val/...` metrics follow).
 SHOWN = (("reward", "reward"), ("loss", "loss"), ("s/step", "s/step"))
@@ -98,3 +98,15 @@ class StepProgress(ProgressBar):
             self._bar.write(" ".join(map(str, args)))
         else:
             print(*args, **kwargs)
+
+
+def in_place_of_the_default_bar(trainer: L.Trainer) -> list[L.Callback]:
+    """`[StepProgress()]` in place of Lightning's default bar (a plain `RichProgressBar`, or
+    `TQDMProgressBar` without rich; taken out of `trainer.callbacks`), for a `Trainer` built in
+    Python; `[]` when the trainer has another bar (a `StepProgress` from the command line, a
+    subclass of Lightning's) or none (`enable_progress_bar=False`)."""
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if type(bar) not in (RichProgressBar, TQDMProgressBar):
+        return []
+    trainer.callbacks.remove(bar)
+    return [StepProgress()]
