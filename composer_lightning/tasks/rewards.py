@@ -7,8 +7,8 @@ Two forms of reward function:
   `GRPOTrainer._calculate_rewards`, TRL 1.16): called once per rollout batch, the whole call
   under one `timeout`. It receives `prompts` (a problem's `"prompt"`, a string or a chat, else
   its `"messages"`), `completions` (strings; for a chat prompt, `[{"role": "assistant",
-  "content": text}]` each, as TRL gives them), `completion_ids` (token ids; None where the
-  caller has none, e.g. validation), every other field of the problems by name (dataset
+  "content": text}]` each, as TRL gives them), `completion_ids` (token ids, in training and
+  validation alike; None where a caller has none), every other field of the problems by name (dataset
   columns such as `answer` or `solution`, one value per completion), `trainer_state=None`
   (the provider does not see the trainer) and no-op `log_extra` / `log_metric`.
 
