@@ -16,6 +16,7 @@ The models are HF-style causal LMs: `get_output_embeddings()` (an LM head withou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from composer_lightning.functional import (
     chunked_logprobs_from_hidden,
 )
 from composer_lightning.functional.align import teacher_alignment
+from composer_lightning.microbatch import Plan
 from composer_lightning.step import RolloutTargets, StepContext
 
 #: fp32 elements of one chunk's logits (64 MiB): tokens per chunk = this // V.
@@ -167,12 +169,14 @@ def rollout_targets(
     needs: set[str],
     splits: list[Tensor] | None = None,
     updates: int = 1,
+    plans: list[Plan] | None = None,
 ) -> RolloutTargets:
     """The no-grad values of a rollout batch, computed once before its first update.
 
-    Forwards run per minibatch `splits` (bounding activation memory); every rank runs the same
-    forwards whatever its data (a teacher forward runs on a one-token placeholder when the
-    batch has no hinted context), so FSDP2's collectives always match.
+    Forwards run per minibatch `splits`, and per micro-batch of each with `plans` (bounding
+    activation memory); every rank runs the same forwards whatever its data (a teacher forward
+    runs on a one-token placeholder when the batch has no hinted context; a micro-batch
+    placeholder where a rank has fewer), so FSDP2's collectives always match.
 
     Args:
         owner: the models and settings (a `ComposerModule`); its teacher None = the live policy.
@@ -182,6 +186,7 @@ def rollout_targets(
         updates: the optimizer steps this batch makes; with more than one the old log-probs
             are recomputed and the live policy's LM head is copied for the teacher (it changes
             before the last update reads the teacher hidden states).
+        plans: each minibatch's micro-batches (`microbatch.plans`); None: one forward each.
     """
     policy, teacher, reference = owner.policy, owner.teacher, owner.reference
     temperature, chunk_size = owner.temperature, owner.chunk_size
@@ -194,31 +199,70 @@ def rollout_targets(
     want_teacher, want_hidden = bool(needs & _TEACHER), bool(needs & _TEACHER_HIDDEN)
     scored = [("old_logprobs", policy)] if old else []
     scored += [("ref_logprobs", reference)] if "ref_logprobs" in needs else []
-    for idx in splits:
-        mb = rb.select(idx)
+    for n, idx in enumerate(splits):
+        mb, plan = rb.select(idx), None if plans is None else plans[n]
         for key, model in scored:
-            lp = score_tokens(
-                model,
-                mb.input_ids,
-                mb.attention_mask,
-                temperature=temperature,
-                mask=mb.response_mask,
-                chunk_size=chunk_size,
-            ).logprobs
-            parts.setdefault(key, []).append((idx, lp))
+
+            def logprobs(sub: RolloutBatch, model: nn.Module = model) -> dict[str, Tensor]:
+                return {
+                    "lp": score_tokens(
+                        model,
+                        sub.input_ids,
+                        sub.attention_mask,
+                        temperature=temperature,
+                        mask=sub.response_mask,
+                        chunk_size=chunk_size,
+                    ).logprobs
+                }
+
+            parts.setdefault(key, []).append((idx, by_piece(mb, plan, "student", logprobs)["lp"]))
         if want_teacher:
-            lp, hidden, aligned, head_weight = _teacher(
-                mb, teacher or policy, temperature, chunk_size
-            )
-            parts.setdefault("teacher_logprobs", []).append((idx, lp))
-            parts.setdefault("teacher_aligned", []).append((idx, aligned))
+
+            def teacher_values(sub: RolloutBatch) -> dict[str, Tensor]:
+                nonlocal head_weight
+                lp, hidden, aligned, head_weight = _teacher(
+                    sub, teacher or policy, temperature, chunk_size
+                )
+                return {"lp": lp, "aligned": aligned} | ({"hidden": hidden} if want_hidden else {})
+
+            values = by_piece(mb, plan, "teacher", teacher_values)
+            parts.setdefault("teacher_logprobs", []).append((idx, values["lp"]))
+            parts.setdefault("teacher_aligned", []).append((idx, values["aligned"]))
             if want_hidden:
-                parts.setdefault("teacher_hidden", []).append((idx, hidden))
+                parts.setdefault("teacher_hidden", []).append((idx, values["hidden"]))
     out = RolloutTargets(**{k: _assemble(v, B) for k, v in parts.items()})
     if want_hidden and (teacher is not None or snapshot_teacher_head):
         out.teacher_lm_head_weight = (
             head_weight.detach().clone() if teacher is None else head_weight
         )
+    return out
+
+
+def by_piece(
+    mb: RolloutBatch,
+    plan: Plan | None,
+    which: str,
+    fn: Callable[[RolloutBatch], dict[str, Tensor]],
+) -> dict[str, Tensor]:
+    """`fn`'s per-row values of `mb`, computed per micro-batch of `plan` (its `which` forward:
+    "student" or "teacher") and put back in `mb`'s rows and columns (zeros past a micro-batch's
+    width); `fn(mb)` itself without a plan. A placeholder's values are dropped."""
+    if plan is None:
+        return fn(mb)
+    B, T = mb.input_ids.shape
+    out: dict[str, Tensor] = {}
+    for rows, sub in plan.pieces(mb, which):
+        values = fn(sub)
+        if rows is None:
+            continue
+        for key, v in values.items():
+            if key not in out:
+                shape = (B,) if v.dim() == 1 else (B, T, *v.shape[2:])
+                out[key] = v.new_zeros(shape)
+            if v.dim() == 1:
+                out[key][rows] = v
+            else:
+                out[key][rows, : v.shape[1]] = v
     return out
 
 
@@ -272,26 +316,37 @@ def _assemble(parts: list[tuple[Tensor, Tensor]], B: int) -> Tensor:
     return out
 
 
+def policy_scores(owner: ForwardOwner, mb: RolloutBatch, needs: set[str]) -> TokenScores:
+    """The policy forward of a step on `mb`: log-probs, and the entropies and hidden states
+    when the objective reads them."""
+    return score_tokens(
+        owner.policy,
+        mb.input_ids,
+        mb.attention_mask,
+        temperature=owner.temperature,
+        mask=mb.response_mask,
+        entropy=owner.objective.entropy_coef > 0 or "entropy" in needs,
+        hidden=bool(needs & {"hidden", "logits"}),
+        chunk_size=owner.chunk_size,
+    )
+
+
 def step_context(
-    owner: ForwardOwner, mb: RolloutBatch, targets: RolloutTargets, needs: set[str]
+    owner: ForwardOwner,
+    mb: RolloutBatch,
+    targets: RolloutTargets,
+    needs: set[str],
+    scores: TokenScores | None = None,
 ) -> StepContext:
-    """One policy forward (grad) on a minibatch plus its rows of the rollout targets."""
+    """One policy forward (grad) on a minibatch plus its rows of the rollout targets; given
+    `scores` (the micro-batched step's outputs, `accumulate.py`), no forward."""
     policy, reference = owner.policy, owner.reference
     temperature, chunk_size, norm_length = owner.temperature, owner.chunk_size, owner.norm_length
-    entropy = owner.objective.entropy_coef > 0
     if norm_length is None:
         norm_length = mb.max_response_length
     want_hidden = bool(needs & {"hidden", "logits"})
-    scores = score_tokens(
-        policy,
-        mb.input_ids,
-        mb.attention_mask,
-        temperature=temperature,
-        mask=mb.response_mask,
-        entropy=entropy or "entropy" in needs,
-        hidden=want_hidden,
-        chunk_size=chunk_size,
-    )
+    if scores is None:
+        scores = policy_scores(owner, mb, needs)
     provided: dict[str, object] = {}
     if scores.entropy is not None:
         provided["entropy"] = scores.entropy

@@ -130,8 +130,8 @@ def check_trainer_options(trainer: Any) -> None:
     if accumulate != 1:
         raise ConfigError(
             f"trainer.accumulate_grad_batches={accumulate} does not apply (the module steps its "
-            "optimizer itself): an optimizer step sees a whole rollout batch "
-            "(data.prompts_per_step × rollout.group_size samples), so raise "
-            "data.prompts_per_step for a larger batch (model.minibatches splits a rollout batch "
-            "into several optimizer steps)"
+            "optimizer itself): an optimizer step sees a whole minibatch of a rollout batch, "
+            "forwarded in micro-batches of model.max_tokens_per_micro_batch tokens or "
+            "model.micro_batch_size rows with its gradients accumulated; set one of those "
+            "(data.prompts_per_step sets the batch)"
         )

@@ -202,7 +202,7 @@ def test_bad_settings_give_a_one_line_error(override, message):
             "model.temperature (0.7) differs from rollout.sampling.temperature (1.0)",
         ),
         ("--trainer.gradient_clip_val=0.5", "set model.max_grad_norm=0.5 instead"),
-        ("--trainer.accumulate_grad_batches=4", "raise data.prompts_per_step"),
+        ("--trainer.accumulate_grad_batches=4", "model.max_tokens_per_micro_batch"),
         ("--data.init_args.prompt_file=/nonexistent/prompts.jsonl", "/nonexistent/prompts.jsonl"),
         (
             "--rollout.engine.init_args.model_path=/nonexistent/model",
