@@ -9,7 +9,6 @@ nothing. Prompts are sharded by rank; a prompt's G samples are generated on its 
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from composer_lightning.chat import problem_messages, tokenize_prompt
 from composer_lightning.datamodules.jsonl import read_jsonl_lines, stream_positions
 from composer_lightning.distributed import data_parallel
+from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
 from composer_lightning.resume import Differences
 from composer_lightning.resume import line as resume_line
 from composer_lightning.tasks import Task, get_task
@@ -72,8 +72,8 @@ class RolloutDataModule(L.LightningDataModule):
     """Tokenised prompt batches from a built-in task or a JSONL prompt file.
 
     Args:
-        tokenizer: local directory of the tokenizer (with a chat template); None: the policy's
-            directory (`ComposerModule.policy_path`).
+        tokenizer: the tokenizer's local directory or hub id (with a chat template); None:
+            the policy's directory (`ComposerModule.policy_path`).
         task: task short name (`arithmetic`, `reverse`) or dotted class path; its verifier
             scores the rollouts. With a prompt file it is the verifier of lines without `task`.
         task_args: keyword arguments of the task's constructor.
@@ -136,9 +136,10 @@ class RolloutDataModule(L.LightningDataModule):
                         "RolloutDataModule needs a tokenizer directory: the policy "
                         "is not a model directory it could follow"
                     )
-            if not os.path.isdir(self.tokenizer_path):
-                raise FileNotFoundError(f"tokenizer directory {self.tokenizer_path!r} not found")
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            path = resolve_model(
+                self.tokenizer_path, what="RolloutDataModule tokenizer", require=TOKENIZER_FILE
+            )
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
     def _rank(self) -> tuple[int, int]:
