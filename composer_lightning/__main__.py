@@ -1,4 +1,4 @@
-"""`python -m composer_lightning fit --config configs/<name>.yaml` | `heads`."""
+"""`python -m composer_lightning fit --config configs/<name>.yaml` | `heads` | `export`."""
 
 import sys
 

@@ -257,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "heads":
         return list_heads()
+    if args and args[0] == "export":
+        from composer_lightning.export import main as export
+
+        return export(args[1:])
     # Import every registered head first so the CLI can resolve them; a broken plugin is
     # reported and the others stay usable.
     for e in registry.load_all():

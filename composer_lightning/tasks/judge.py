@@ -113,10 +113,13 @@ class _Judge:
                 "a judge on a token-id engine needs the judge model's tokenizer; "
                 "a served judge (OpenAIEngine) does not"
             )
-        if isinstance(tokenizer, str):  # a local directory, as YAML configs give it
+        if isinstance(tokenizer, str):  # a local directory or hub id, as YAML configs give it
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
+
+            path = resolve_model(tokenizer, what="judge tokenizer", require=TOKENIZER_FILE)
+            tokenizer = AutoTokenizer.from_pretrained(path)
         self.engine = engine
         self.tokenizer = tokenizer
         self.votes = votes
@@ -192,7 +195,7 @@ class LLMJudgeScore(_Judge, ScoreProvider):
     Args:
         engine: a served judge (`OpenAIEngine`: chat messages in, text out) or any engine with
             `generate(prompts: list[list[int]], n, sampling)` (completions with `.token_ids`).
-        tokenizer: for a token-id engine, the judge model's tokenizer or its local directory
+        tokenizer: for a token-id engine, the judge model's tokenizer, its directory or hub id
             (prompt encoding, vote decoding); not needed for a served judge.
         votes: m, the judge calls per sample.
         template: prompt text with `{prompt}`, `{answer}`, `{response}`; default

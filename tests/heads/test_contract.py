@@ -126,5 +126,5 @@ def test_duplicate_head_names_are_refused():
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+    with pytest.raises(FileNotFoundError, match="not found or has no config.json"):
         ComposerModule(str(tmp_path / "nope"), [registry.load("dr_grpo")()])
