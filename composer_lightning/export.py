@@ -11,6 +11,11 @@ is not needed; a checkpoint written before they were stored falls back on that d
 A checkpoint is a Lightning file, or a sharded directory written by ModelParallelStrategy with
 `save_distributed_checkpoint=True` (torch.distributed.checkpoint; read on one process, all of
 the policy in memory at once). Only the policy is exported, never the reference or teacher.
+
+A LoRA policy (`model.peft`) is exported merged by default (`W + B @ A · scale`, the weights
+engines are pushed, under the base model's names: a plain model of the base architecture); with
+`--adapter` the peft adapter alone (`adapter_model.safetensors`, `adapter_config.json`), which
+`PeftModel.from_pretrained(base, DIR)` loads onto the base model.
 Checkpoints are unpickled: export only checkpoints you trust, as with `torch.load`.
 """
 
@@ -98,7 +103,11 @@ def _model_files(path: str, meta: dict[str, Any], model_dir: str | None) -> dict
 
 
 def export(
-    ckpt_path: str, out: str, dtype: str = "auto", model_dir: str | None = None
+    ckpt_path: str,
+    out: str,
+    dtype: str = "auto",
+    model_dir: str | None = None,
+    adapter: bool = False,
 ) -> list[str]:
     """Write the policy of `ckpt_path` as an HF model directory `out`.
 
@@ -107,6 +116,7 @@ def export(
         out: the directory to write (created; files of the same names are replaced).
         dtype: the weights' dtype; `auto` keeps the checkpoint's.
         model_dir: where to take config and tokenizer from, instead of the checkpoint.
+        adapter: write a LoRA policy's peft adapter instead of the merged model.
 
     Returns:
         The names of the files written.
@@ -116,7 +126,20 @@ def export(
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
     weights, meta = policy_state_dict(ckpt_path)
+    lora = (meta.get("composer") or {}).get("peft_config")
+    if adapter and not lora:
+        raise ValueError(
+            f"checkpoint {ckpt_path!r} holds no LoRA adapter (trained without model.peft): "
+            "export it without --adapter"
+        )
     files = _model_files(ckpt_path, meta, model_dir)
+    if lora:
+        spec = (meta.get("hyper_parameters") or {}).get("policy")
+        if isinstance(spec, str):  # the hub id or directory trained from, not a temporary copy
+            lora = dict(lora, base_model_name_or_path=spec)
+        weights = _from_lora(weights, lora, files, out if adapter else None, dtype)
+        if adapter:
+            return sorted(os.listdir(out))
     os.makedirs(out, exist_ok=True)
     write_model_files(files, out)  # configs, tokenizer, chat template
     config = AutoConfig.from_pretrained(out)
@@ -137,6 +160,36 @@ def export(
         model.generation_config = GenerationConfig.from_pretrained(out)
     model.save_pretrained(out, safe_serialization=True)
     return sorted(os.listdir(out))
+
+
+def _from_lora(
+    weights: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    files: dict[str, bytes],
+    adapter_out: str | None,
+    dtype: str,
+) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's merged weights under the base model's names; with `adapter_out`,
+    the peft adapter is written there instead."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from composer_lightning.models.lora import lora_model_from_state, merged_hf_weights
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model_files({k: v for k, v in files.items() if k == "config.json"}, tmp)
+        base_config = AutoConfig.from_pretrained(tmp)
+    base_config.name_or_path = config.get("base_model_name_or_path") or ""
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(base_config)
+    model = lora_model_from_state(base, config, weights)
+    if adapter_out is None:
+        return dict(merged_hf_weights(model))
+    if dtype != "auto":
+        model.to(getattr(torch, dtype))
+    model.save_pretrained(adapter_out, safe_serialization=True)
+    return {}
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:
@@ -172,13 +225,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="the model directory to write")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weights' dtype")
     parser.add_argument("--model_dir", help="config and tokenizer instead of the checkpoint's")
+    parser.add_argument(
+        "--adapter", action="store_true", help="a LoRA policy's peft adapter, not merged"
+    )
     parser.add_argument("--push_to_hub", metavar="REPO_ID", help="also upload to this hub repo")
     parser.add_argument("--private", action="store_true", help="a new hub repo is private")
     args = parser.parse_args(argv)
     if not os.path.exists(args.ckpt_path):
         raise SystemExit(f"composer_lightning: export: checkpoint {args.ckpt_path!r} not found")
     try:
-        names = export(args.ckpt_path, args.out, args.dtype, args.model_dir)
+        names = export(args.ckpt_path, args.out, args.dtype, args.model_dir, args.adapter)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise SystemExit(f"composer_lightning: export: {exc}") from None
     print(f"composer_lightning: exported {args.ckpt_path} to {args.out}: {', '.join(names)}")

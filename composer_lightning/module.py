@@ -52,6 +52,7 @@ from composer_lightning.models.loading import (
     load_policy,
     reference_model,
 )
+from composer_lightning.models.lora import adapter_config, is_lora, lora_policy
 from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
 from composer_lightning.models.stored import read_model_files, reading_checkpoint
 from composer_lightning.objective import Aggregation, Mixing, Objective
@@ -81,6 +82,10 @@ class ComposerModule(L.LightningModule):
         reference: frozen reference model (dir, hub id or module); by default a frozen copy of the
             policy, made only when a head reads reference log-probs.
         teacher: frozen teacher model (dir, hub id or module); by default the live policy (no grad) on hinted contexts.
+        peft: a `peft.LoraConfig` (`class_path: peft.LoraConfig`): the policy is wrapped with
+            LoRA adapters and only they train; the default reference is then the policy with
+            its adapters off (no copy), and engines get the merged weights under the base
+            model's names (`models/lora.py`). None: the whole policy trains.
         optimizer: optimizer factory over the policy's parameters.
         lr_scheduler: optional scheduler factory, stepped once per rollout batch.
         clip_low: PPO ε_low, in (0, 1).
@@ -129,6 +134,7 @@ class ComposerModule(L.LightningModule):
         heads: list[Head],
         reference: str | nn.Module | None = None,
         teacher: str | nn.Module | None = None,
+        peft: Any = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         clip_low: float = 0.2,
@@ -152,7 +158,7 @@ class ComposerModule(L.LightningModule):
         allow_head_changes: bool = False,
     ):
         super().__init__()
-        live = dict(policy=policy, heads=heads, reference=reference, teacher=teacher)
+        live = dict(policy=policy, heads=heads, reference=reference, teacher=teacher, peft=peft)
         live.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
         self.save_hyperparameters(ignore=hparams_to_ignore(**live))
         for name in ("policy", "reference", "teacher"):  # readable from any working directory
@@ -177,6 +183,8 @@ class ComposerModule(L.LightningModule):
             self.policy_path, self.policy = load_policy(policy)
         else:
             self.policy = load_causal_lm(policy)
+        if peft is not None:
+            self.policy = lora_policy(self.policy, peft)
         self._policy_files: dict[str, bytes] | None = None
         if activation_checkpointing:
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
@@ -218,9 +226,13 @@ class ComposerModule(L.LightningModule):
         return bar + [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:
-        opt, sched = self._optimizer_and_scheduler(self.policy.parameters())
+        opt, sched = self._optimizer_and_scheduler(self.trainable_parameters())
         self._configured = ConfiguredOptimizer.of(opt, sched)
         return opt if sched is None else {"optimizer": opt, "lr_scheduler": sched}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The policy's parameters that train (a LoRA policy's adapters): the optimizer's."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     def _optimizer_and_scheduler(self, params: Any) -> tuple[torch.optim.Optimizer, Any]:
         opt = self.optimizer_factory(params)
@@ -311,7 +323,9 @@ class ComposerModule(L.LightningModule):
                     self, loss, scores, mb, plan, requirements, self.manual_backward
                 )
             if self.max_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(
+                    self.trainable_parameters(), self.max_grad_norm
+                )
                 metrics["train/grad_norm"] = full(norm)
             opt.step()
             for k, v in metrics.items():
@@ -356,6 +370,8 @@ class ComposerModule(L.LightningModule):
             if self._policy_files is None:
                 self._policy_files = read_model_files(self.policy_path)
             checkpoint["composer"]["policy_files"] = self._policy_files
+        if is_lora(self.policy):  # `export` writes the adapter or the merged model from it
+            checkpoint["composer"]["peft_config"] = adapter_config(self.policy)
 
     def resume_differences(self, checkpoint: dict[str, Any], world_size: int) -> Differences:
         """How this module's configuration differs from the one `checkpoint` was trained with
@@ -397,7 +413,7 @@ class ComposerModule(L.LightningModule):
                 self.optimizers(use_pl_optimizer=False),
                 self.lr_schedulers(),
                 lambda: self._optimizer_and_scheduler(
-                    [nn.Parameter(torch.empty((0,) * p.ndim)) for p in self.policy.parameters()]
+                    [nn.Parameter(torch.empty((0,) * p.ndim)) for p in self.trainable_parameters()]
                 ),
                 self.policy_version,
                 self._resumed_scheduler,

@@ -29,11 +29,18 @@ def iter_hf_weights(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     module (callers copy them).
 
     Args:
-        module: the policy, e.g. a `LlamaForCausalLM`, possibly wrapped or sharded.
+        module: the policy, e.g. a `LlamaForCausalLM`, possibly wrapped or sharded; a LoRA
+            policy (peft) yields its merged weights under the base model's names
+            (`models/lora.merged_hf_weights`).
 
     Yields:
         The HF parameter name and the full, detached tensor.
     """
+    from composer_lightning.models.lora import is_lora, merged_hf_weights
+
+    if is_lora(module):
+        yield from merged_hf_weights(module)
+        return
     for name, param in module.named_parameters(remove_duplicate=False):
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):  # DTensor, without importing torch.distributed.tensor

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from composer_lightning.models.hub import resolve_model
+from composer_lightning.models.lora import AdapterFreeReference, is_lora
 from composer_lightning.models.stored import (
     checkpoint_meta,
     loading_checkpoint,
@@ -117,8 +118,11 @@ def frozen_model(model: str | nn.Module | None, what: str = "model") -> nn.Modul
 def reference_model(
     reference: str | nn.Module | None, policy: nn.Module, heads: list
 ) -> nn.Module | None:
-    """The frozen reference: the given one, else a frozen copy of the policy when a head with a
-    non-zero weight reads reference log-probs, else None (no copy is made)."""
+    """The frozen reference: the given one, else, when a head with a non-zero weight reads
+    reference log-probs, the policy with its adapters off for a LoRA policy (no copy,
+    `models/lora.AdapterFreeReference`) or a frozen copy of the policy; else None."""
     if reference is None and any("ref_logprobs" in h.requires and h.weight > 0 for h in heads):
+        if is_lora(policy):
+            return AdapterFreeReference(policy)
         reference = copy.deepcopy(policy)
     return frozen_model(reference, "model.reference")
