@@ -60,6 +60,10 @@ def run_summary(module, trainer) -> str:
     from composer_lightning.callbacks.samples import run_dir
 
     params = sum(p.numel() for p in module.policy.parameters())
+    trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
+    size = f"{params / 1e6:.1f}M params"
+    if trainable != params:  # LoRA: the adapters
+        size += f", {trainable / 1e3:.1f}k trainable"
     heads = ", ".join(f"{h.name}×{h.weight:g}" for h in module.heads)
     engine = next(
         (type(c.engine).__name__ for c in trainer.callbacks if hasattr(c, "engine")), "none"
@@ -68,7 +72,7 @@ def run_summary(module, trainer) -> str:
     where = run_dir(trainer)  # not trainer.log_dir: a collective, and this runs on rank 0
     return (
         f"composer_lightning: policy {module.policy_path or type(module.policy).__name__} "
-        f"({params / 1e6:.1f}M params), heads {heads}, engine {engine}, {steps} steps, "
+        f"({size}), heads {heads}, engine {engine}, {steps} steps, "
         f"{trainer.world_size} process(es), logs and checkpoints in {where}"
     )
 

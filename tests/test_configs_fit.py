@@ -82,6 +82,25 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
     assert glob.glob(str(tmp_path / "**" / "curves.png"), recursive=True)
 
 
+def test_lora_job_with_vllm_keeps_the_merged_weights_in_sync(tmp_path):
+    """configs/tiny_cpu_lora.yaml: vLLM samples from the merged weights (the canary's gap at the
+    fp32 level after every push), and the reference is the policy without its adapters: the
+    KL is exactly 0 while the adapters are 0 (B starts at zero), then not."""
+    out = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu_lora.yaml"),
+        "--trainer.max_steps=3",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    s = _scalars(tmp_path)
+    assert len(s["rollout/logprob_gap_mean"]) == 3
+    assert max(s["rollout/logprob_gap_mean"]) < 1e-5, s["rollout/logprob_gap_mean"]
+    assert s["kl/k1_mean"][0] == 0 and all(v != 0 for v in s["kl/k1_mean"][1:])
+
+
 def test_cli_run_resumes_from_its_last_checkpoint(tmp_path):
     """A crash after step 2 loses nothing: `fit --ckpt_path last.ckpt` restores every state."""
     config = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
