@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import copy
 import glob
+import os
+import socket
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -30,6 +34,7 @@ from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
 from composer_lightning.module import ComposerModule  # noqa: E402
 from composer_lightning.tasks import VerifierHint  # noqa: E402
 from tests.helpers import one_sample_batch, tiny_model  # noqa: E402
+from tests.test_cli import ROOT  # noqa: E402
 
 POLICY = tiny_policy_path()
 
@@ -186,6 +191,8 @@ def test_export_writes_the_merged_model_or_the_adapter(lora_fit, tmp_path):
     pushed = dict(iter_hf_weights(module.policy))
     for name, p in merged.named_parameters():
         assert torch.equal(p, pushed[name]), name
+    with torch.no_grad():  # the merged model is the LoRA policy (peft's own forward)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
     names = export(ckpt, str(tmp_path / "adapter"), adapter=True)
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(names)
     loaded = PeftModel.from_pretrained(load_causal_lm(POLICY), tmp_path / "adapter")
@@ -231,3 +238,22 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(tmp_path):
     assert resumed.keys() == whole.keys()
     for name, w in whole.items():
         assert torch.equal(resumed[name], w), name
+
+
+def test_fsdp2_on_two_ranks_gathers_the_merged_weights_and_trains_the_adapters_only():
+    """tests/_lora_fsdp2.py: two gloo ranks, the LoRA policy sharded per decoder layer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_lora_fsdp2.py"), port],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]

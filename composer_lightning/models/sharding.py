@@ -45,6 +45,7 @@ def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
     # `output_hidden_states` (forward.py) returns the embedding output, a view; nothing modifies
     # it in place, so FSDP2's warning about views is moot here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    for layer in getattr(getattr(policy, "model", None), "layers", []):
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft
+    for layer in getattr(getattr(base, "model", None), "layers", []):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
     fully_shard(policy, mesh=dp_mesh, mp_policy=mp)
