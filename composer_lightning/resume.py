@@ -194,6 +194,13 @@ def policy_mismatch(checkpoint: dict[str, Any], policy: torch.nn.Module) -> str 
         if shapes
         else f"{first} is {'only here' if first in mine else 'only in the checkpoint'}"
     )
+    lora = [any("lora_" in k for k in names) for names in (saved, mine)]
+    if lora[0] != lora[1]:  # the names differ by peft's wrapping: say so, not which name
+        detail = "the checkpoint trained " + (
+            "LoRA adapters (model.peft); this run has none"
+            if lora[0]
+            else "the whole policy; this run has LoRA adapters (model.peft)"
+        )
     return (
         f"the policy's parameters are not the checkpoint's ({len(names)} names and "
         f"{len(shapes)} shapes differ: {detail}): resume with the model the checkpoint trained"

@@ -257,3 +257,13 @@ def test_fsdp2_on_two_ranks_gathers_the_merged_weights_and_trains_the_adapters_o
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_resuming_a_lora_checkpoint_without_model_peft_says_so():
+    lora = ComposerModule(tiny_model(torch.float32), [DrGRPOHead()], peft=_lora())
+    plain = ComposerModule(tiny_model(torch.float32), [DrGRPOHead()])
+    checkpoint = {"state_dict": lora.state_dict()}
+    (refused,) = plain.resume_differences(checkpoint, 1).refused
+    assert "the checkpoint trained LoRA adapters (model.peft); this run has none" in refused
+    (refused,) = lora.resume_differences({"state_dict": plain.state_dict()}, 1).refused
+    assert "this run has LoRA adapters" in refused
