@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from composer_lightning.errors import ConfigError
+from composer_lightning.models.lora import is_lora
 
 
 def data_parallel_mesh(mesh: object) -> object:
@@ -45,7 +46,7 @@ def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
     # `output_hidden_states` (forward.py) returns the embedding output, a view; nothing modifies
     # it in place, so FSDP2's warning about views is moot here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft
+    base = policy.get_base_model() if is_lora(policy) else policy  # peft: the HF model inside
     for layer in getattr(getattr(base, "model", None), "layers", []):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
     fully_shard(policy, mesh=dp_mesh, mp_policy=mp)
