@@ -60,6 +60,18 @@ def test_fsdp2_matches_ddp_on_two_cpu_ranks(train):
     assert any(not torch.equal(w, init[n].detach()) for n, w in ddp["weights"].items())
 
 
+def test_fsdp2_in_micro_batches_equals_fsdp2_and_syncs_once_per_step(train):
+    """Rank 1 cuts its minibatches into more micro-batches than rank 0 (20- vs 60-token
+    budgets): no hang, the weights are the unbatched run's, and each rank makes as many
+    gradient collectives (FSDP2's reduce-scatters and all-reduces, counted) as the unbatched
+    run: one reduction per optimizer step, not one per micro-batch."""
+    whole, micro = train("fsdp2"), train("fsdp2_micro")
+    for name, w in whole[0]["weights"].items():
+        torch.testing.assert_close(micro[0]["weights"][name], w, rtol=1e-5, atol=1e-6)
+    counts = [r["collectives"] for r in micro]
+    assert counts == [r["collectives"] for r in whole] and counts[0] == counts[1] > 0
+
+
 def test_fsdp2_matches_ddp_with_the_default_clip_and_canary_on_rollouts(train):
     """The rollout path with the module's defaults: every step's gradient norm (over the whole
     model, both ranks' average) is above `max_grad_norm=1.0`, so the clip binds, and equals
