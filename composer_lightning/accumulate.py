@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.forward import ForwardOwner, TokenScores, by_piece, policy_scores
+from composer_lightning.forward import Forwards, TokenScores, by_piece, policy_scores
 from composer_lightning.microbatch import Plan, gradient_sync
 
 #: The per-token outputs pass 2 replays, as named in `TokenScores`.
 _PER_TOKEN = ("logprobs", "entropy", "hidden")
 
 
-def outputs(owner: ForwardOwner, mb: RolloutBatch, plan: Plan, needs: set[str]) -> TokenScores:
+def outputs(f: Forwards, mb: RolloutBatch, plan: Plan, needs: set[str]) -> TokenScores:
     """Pass 1: the policy's outputs on `mb`, per micro-batch without grad, as leaves.
 
     The LM head weight is a detached copy (a leaf too) when a head reads hidden states and
@@ -30,7 +30,7 @@ def outputs(owner: ForwardOwner, mb: RolloutBatch, plan: Plan, needs: set[str]) 
     weight: list[Tensor] = []
 
     def forward(sub: RolloutBatch) -> dict[str, Tensor]:
-        scores = policy_scores(owner, sub, needs)
+        scores = policy_scores(f, sub, needs)
         weight[:] = [scores.lm_head_weight]
         return {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
 
@@ -44,7 +44,7 @@ def outputs(owner: ForwardOwner, mb: RolloutBatch, plan: Plan, needs: set[str]) 
 
 
 def backward(
-    owner: ForwardOwner,
+    f: Forwards,
     loss: Tensor,
     scores: TokenScores,
     mb: RolloutBatch,
@@ -60,7 +60,7 @@ def backward(
             the leaves their gradients and runs any policy forward a head made on other
             sequences (replay DPO's pairs) back into the parameters.
     """
-    policy = owner.policy
+    policy = f.policy
     leaves = {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
     head = scores.lm_head_weight if scores.hidden is not None else None
     with gradient_sync(policy, False):
@@ -69,7 +69,7 @@ def backward(
     pieces = list(plan.pieces(mb, "student"))
     for n, (rows, sub) in enumerate(pieces):
         with gradient_sync(policy, n == len(pieces) - 1):
-            live = policy_scores(owner, sub, needs)
+            live = policy_scores(f, sub, needs)
             outs, ins = [], []
             for key in leaves:
                 out = getattr(live, key)

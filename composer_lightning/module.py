@@ -9,6 +9,7 @@ type: heads declare what they read in `requires`. No step holds `[B, T, V]` logi
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
@@ -39,7 +40,7 @@ from composer_lightning.checkpoint import (
     set_rng_state,
 )
 from composer_lightning.distributed import StepMetrics, agree, full, rank_mismatch, world
-from composer_lightning.forward import TokenScores, rollout_targets, step_context
+from composer_lightning.forward import Forwards, TokenScores, rollout_targets, step_context
 from composer_lightning.heads.base import Head
 from composer_lightning.inputs import check_trainer_options
 from composer_lightning.microbatch import MicroBatching, Plan
@@ -227,6 +228,18 @@ class ComposerModule(L.LightningModule):
         return opt, None if self.lr_scheduler_factory is None else self.lr_scheduler_factory(opt)
 
     # ----------------------------------------------------------------- the public seams
+    @property
+    def forwards(self) -> Forwards:
+        """The models and settings the step's forwards read (`forward.py`)."""
+        return Forwards(
+            self.policy,
+            self.reference,
+            self.teacher,
+            self.temperature,
+            self.chunk_size,
+            entropy=self.objective.entropy_coef > 0,
+        )
+
     def rollout_targets(
         self,
         rb: RolloutBatch,
@@ -234,10 +247,11 @@ class ComposerModule(L.LightningModule):
         splits: list[Tensor] | None = None,
         updates: int = 1,
         plans: list[Plan] | None = None,
+        behavior_logprobs: Tensor | None = None,
     ) -> RolloutTargets:
         """The no-grad values of a rollout batch, once, before its first of `updates` updates
         (per micro-batch of each minibatch with `plans`)."""
-        return rollout_targets(self, rb, needs, splits, updates, plans)
+        return rollout_targets(self.forwards, rb, needs, splits, updates, plans, behavior_logprobs)
 
     def step_context(
         self,
@@ -250,7 +264,16 @@ class ComposerModule(L.LightningModule):
         (computed here, for this minibatch alone, when not given); given `scores` (a
         micro-batched step's outputs), no forward."""
         targets = targets if targets is not None else self.rollout_targets(mb, needs)
-        return step_context(self, mb, targets, needs, scores)
+        return step_context(
+            self.forwards,
+            mb,
+            targets,
+            needs,
+            global_step=self.global_step,
+            aggregation=self.objective.aggregation,
+            norm_length=self.norm_length,
+            scores=scores,
+        )
 
     # ----------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -274,12 +297,11 @@ class ComposerModule(L.LightningModule):
             if self.micro_batching.enabled
             else None
         )
-        targets = self.rollout_targets(rb, needs, splits, updates, plans)
         # generated ahead, by an older version (a batch without a version stamp is taken as on
         # policy: synthetic or recorded data, nothing to correct against)
         stale = rb.policy_version is not None and rb.policy_version != self.policy_version
-        if stale:
-            targets.behavior_logprobs = rb.engine_logprobs
+        behavior = rb.engine_logprobs if stale else None
+        targets = self.rollout_targets(rb, needs, splits, updates, plans, behavior)
         history: dict[str, list[float]] = defaultdict(list)
         canary = StepMetrics()
         step_metrics = rb.extras.pop("metrics", None) or StepMetrics()  # the rollout side's
@@ -290,11 +312,13 @@ class ComposerModule(L.LightningModule):
             weights = self.objective.weights(self.global_step)
             requirements = self.objective.requirements(weights)
             plan = None if plans is None else plans[part]
-            scores = None if plan is None else accumulate.outputs(self, mb, plan, requirements)
+            scores = (
+                None if plan is None else accumulate.outputs(self.forwards, mb, plan, requirements)
+            )
             ctx = self.step_context(mb, requirements, targets.select(idx), scores)
             if update == 0:
                 if targets.old_logprobs is None:  # a single update: the current log-probs
-                    targets.old_logprobs = ctx.old_logprobs
+                    targets = replace(targets, old_logprobs=ctx.old_logprobs)
                 canary = check_canary(rb, targets.old_logprobs, self._max_gap(rb), stale)
                 if rb.policy_version is not None:
                     canary.max("rollout/staleness", self.policy_version - rb.policy_version)
@@ -308,7 +332,7 @@ class ComposerModule(L.LightningModule):
                 self.manual_backward(loss)
             else:
                 accumulate.backward(
-                    self, loss, scores, mb, plan, requirements, self.manual_backward
+                    self.forwards, loss, scores, mb, plan, requirements, self.manual_backward
                 )
             if self.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)

@@ -24,9 +24,10 @@ from composer_lightning.functional import masked_aggregate, sequence_logprobs
 _MISSING = object()
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutTargets:
-    """No-grad values of one rollout batch, shared by all its updates (`[B, ...]` rows).
+    """No-grad values of one rollout batch, shared by all its updates (`[B, ...]` rows); built
+    whole (`forward.rollout_targets`), never completed by mutation.
 
     Attributes:
         old_logprobs: `[B, T]` log-probs of the policy before the first update, or None (with a
