@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.forward import Forwards, TokenScores, by_piece, policy_scores
@@ -25,8 +25,10 @@ _PER_TOKEN = ("logprobs", "entropy", "hidden")
 def outputs(f: Forwards, mb: RolloutBatch, plan: Plan, needs: set[str]) -> TokenScores:
     """Pass 1: the policy's outputs on `mb`, per micro-batch without grad, as leaves.
 
-    The LM head weight is a detached copy (a leaf too) when a head reads hidden states and
-    the LM head (SDPO): its gradient is handed to the live weight in pass 2."""
+    The LM head weight is the policy's own parameter (a head that reads hidden states and the
+    LM head, SDPO, puts its gradient there directly), except under FSDP2, where the gathered
+    weight exists only around a forward: then a detached copy stands in (a leaf too) and its
+    gradient is handed to the live weight in pass 2."""
     weight: list[Tensor] = []
 
     def forward(sub: RolloutBatch) -> dict[str, Tensor]:
@@ -38,7 +40,8 @@ def outputs(f: Forwards, mb: RolloutBatch, plan: Plan, needs: set[str]) -> Token
         values = by_piece(mb, plan, "student", forward)
     leaves = {k: v.requires_grad_() for k, v in values.items()}
     head = weight[0]
-    if "hidden" in leaves:
+    if "hidden" in leaves and _fsdp2(f.policy):
+        # FSDP2's unsharded LM head lives only around a forward: a copy stands in for it
         head = head.detach().clone().requires_grad_()
     return TokenScores(leaves["logprobs"], leaves.get("entropy"), leaves.get("hidden"), head)
 
@@ -62,7 +65,7 @@ def backward(
     """
     policy = f.policy
     leaves = {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
-    head = scores.lm_head_weight if scores.hidden is not None else None
+    head = scores.lm_head_weight if scores.hidden is not None and _fsdp2(policy) else None
     with gradient_sync(policy, False):
         run_backward(loss)
     grads = {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
@@ -84,3 +87,10 @@ def backward(
                 outs.append(live.lm_head_weight)  # the SDPO term's own use of the LM head
                 ins.append(head.grad.to(live.lm_head_weight.dtype))
             torch.autograd.backward(outs, ins)
+
+
+def _fsdp2(model: nn.Module) -> bool:
+    """Whether `model` is sharded by FSDP2's `fully_shard`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
