@@ -47,7 +47,7 @@ from composer_lightning.models.loading import (
     load_causal_lm,
     reference_model,
 )
-from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
+from composer_lightning.models.sharding import data_parallel_mesh, shard_frozen, shard_fsdp2
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.resume import (
     ConfiguredOptimizer,
@@ -176,11 +176,16 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`); a
+        """FSDP2 under ModelParallelStrategy: the policy (`models.sharding.shard_fsdp2`) and the
+        frozen reference and teacher (`shard_frozen`), each rank holding 1/N of every model; a
         tensor-parallel mesh dimension is refused (`models.sharding.data_parallel_mesh`)."""
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not getattr(self, "_fully_sharded", False):
-            shard_fsdp2(self.policy, data_parallel_mesh(mesh), str(self.trainer.precision))
+            dp, precision = data_parallel_mesh(mesh), str(self.trainer.precision)
+            shard_fsdp2(self.policy, dp, precision)
+            for frozen in (self.reference, self.teacher):
+                if frozen is not None:
+                    shard_frozen(frozen, dp, precision)
             self._fully_sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
