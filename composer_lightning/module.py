@@ -54,6 +54,7 @@ from composer_lightning.resume import (
     Differences,
     differences,
     keep_frozen,
+    leave_frozen_out,
     policy_mismatch,
 )
 from composer_lightning.step import RolloutTargets, StepContext
@@ -157,6 +158,7 @@ class ComposerModule(L.LightningModule):
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
         self.reference = reference_model(reference, self.policy, self.heads)
         self.teacher = frozen_model(teacher)
+        leave_frozen_out(self)  # rebuilt from the configuration: never in a checkpoint
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.chunk_size = norm_length, chunk_size
         self.configured_temperature = temperature  # None: the sampler's (RolloutCallback.setup)
@@ -323,7 +325,7 @@ class ComposerModule(L.LightningModule):
         found = self.resume_differences(checkpoint, world()[1])
         found.raise_refused()
         found.report()
-        keep_frozen(checkpoint, self)
+        keep_frozen(checkpoint)
         state = checkpoint.get("composer", {})
         self.policy_version, self._restored_rng = load_state(
             state, self.heads, self.allow_head_changes
