@@ -9,6 +9,8 @@ final norm, LM head) are all-gathered by FSDP2's pre-forward hook and, as FSDP2 
 root by default (`reshard_after_forward=None`), stay unsharded until the backward is done. The
 LM head weight read after the forward is therefore the full weight, its chunks' gradients
 accumulate into it, and FSDP2's post-backward reduce-scatters them with the rest of the root's.
+A frozen model (reference, separate teacher) reshards its root right after the forward
+(`models.sharding.shard_frozen`): its LM head is gathered whole for the chunks, without grad.
 
 The models are HF-style causal LMs: `get_output_embeddings()` (an LM head without bias) and
 `output_hidden_states` (the last entry is the final, normed hidden state).
@@ -30,6 +32,7 @@ from composer_lightning.functional import (
 )
 from composer_lightning.functional.align import teacher_alignment
 from composer_lightning.microbatch import Plan
+from composer_lightning.models.sharding import full_weight
 from composer_lightning.step import RolloutTargets, StepContext
 
 #: fp32 elements of one chunk's logits (64 MiB): tokens per chunk = this // V.
@@ -64,8 +67,10 @@ def final_hidden(
         output_hidden_states=True,
         logits_to_keep=1,
     )
-    # read after the forward: under FSDP2 this is the root's unsharded weight
-    return out.hidden_states[-1], model.get_output_embeddings().weight
+    # read after the forward: under FSDP2 the policy root's unsharded weight, a frozen root's
+    # shard (gathered here)
+    states = out.hidden_states[-1]
+    return states, full_weight(model.get_output_embeddings().weight, states.dtype)
 
 
 @dataclass

@@ -53,7 +53,7 @@ from composer_lightning.models.loading import (
     load_policy,
     reference_model,
 )
-from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
+from composer_lightning.models.sharding import data_parallel_mesh, shard_frozen, shard_fsdp2
 from composer_lightning.models.stored import read_model_files, reading_checkpoint
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.resume import (
@@ -61,6 +61,7 @@ from composer_lightning.resume import (
     Differences,
     differences,
     keep_frozen,
+    leave_frozen_out,
     policy_mismatch,
 )
 from composer_lightning.step import RolloutTargets, StepContext
@@ -183,6 +184,7 @@ class ComposerModule(L.LightningModule):
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
         self.reference = reference_model(reference, self.policy, self.heads)
         self.teacher = frozen_model(teacher, "model.teacher")
+        leave_frozen_out(self)  # rebuilt from the configuration: never in a checkpoint
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.chunk_size = norm_length, chunk_size
         self.configured_temperature = temperature  # None: the sampler's (RolloutCallback.setup)
@@ -203,11 +205,16 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`); a
+        """FSDP2 under ModelParallelStrategy: the policy (`models.sharding.shard_fsdp2`) and the
+        frozen reference and teacher (`shard_frozen`), each rank holding 1/N of every model; a
         tensor-parallel mesh dimension is refused (`models.sharding.data_parallel_mesh`)."""
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not getattr(self, "_fully_sharded", False):
-            shard_fsdp2(self.policy, data_parallel_mesh(mesh), str(self.trainer.precision))
+            dp, precision = data_parallel_mesh(mesh), str(self.trainer.precision)
+            shard_fsdp2(self.policy, dp, precision)
+            for frozen in (self.reference, self.teacher):
+                if frozen is not None:
+                    shard_frozen(frozen, dp, precision)
             self._fully_sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -401,7 +408,7 @@ class ComposerModule(L.LightningModule):
         found = self.resume_differences(checkpoint, world()[1])
         found.raise_refused()
         found.report()
-        keep_frozen(checkpoint, self)
+        keep_frozen(checkpoint)
         state = checkpoint.get("composer", {})
         self.policy_version, self._restored_rng = load_state(
             state, self.heads, self.allow_head_changes

@@ -11,6 +11,9 @@ verifier's. `fsdp2_raise`: rank 1's reward function raises from the second step 
 collectives time out after 120 s instead of 30 minutes, so a rank left waiting fails by itself.
 `fsdp2_micro`: `fsdp2` in micro-batches, rank 0 under a 60-token budget and rank 1 under 20
 (more forwards: rank 0 runs placeholders); both count the collectives that reduce gradients.
+The reference (the KL head's, also read by replay DPO at use time) is a frozen copy of the
+policy; the rollout kinds train with a separate teacher (the tiny policy's directory). Every
+rank records each step's KL metrics and its share of the frozen models' parameter bytes.
 A rank whose fit raises writes `{"step": global step, "error": one line}` to OUT.rank<r>.err,
 waits until every rank has written its own, and exits with status 3.
 """
@@ -77,14 +80,36 @@ heads = [
     OPDHead(weight=0.5),
     SDPOHead(weight=0.1),
     KLHead(kl_coef=0.01),
-    ReplayDPOHead(weight=0.1, pairs_per_step=2),
+    ReplayDPOHead(weight=0.1, pairs_per_step=2, reference="model"),
 ]
-callbacks, seen = [], []
+kls: list[dict[str, float]] = []
+
+
+class RecordKL(L.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        kls.append(
+            {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("kl/")}
+        )
+
+
+def parameter_bytes(model) -> dict:
+    """This rank's bytes of `model`'s parameters, the whole model's, and whether every
+    parameter is sharded now (a DTensor; an unsharded one left after a forward is not)."""
+    params = list(model.parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return {
+        "local": sum(t.numel() * t.element_size() for t in local),
+        "full": sum(p.numel() * p.element_size() for p in params),
+        "sharded": all(hasattr(p, "to_local") for p in params),
+    }
+
+
+callbacks, seen = [RecordKL()], []
 if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, prompts by rank
     policy = tiny_policy_path()
     data = RolloutDataModule(prompts_per_step=2)
     uneven = kind != "fsdp2_rollout" and kind != "ddp_rollout"
-    callbacks = [
+    callbacks += [
         RolloutCallback(
             HFEngine(seed=0),
             group_size=4 if uneven else 2,
@@ -132,6 +157,7 @@ if kind in ("fsdp2", "fsdp2_micro"):
 module = ComposerModule(
     policy,
     heads,
+    teacher=tiny_policy_path() if kind.endswith("_rollout") else None,
     optimizer=lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3),
     **({} if rollouts else {"max_grad_norm": None}),
     **micro,
@@ -159,8 +185,20 @@ except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zer
     os._exit(3)
 weights = {n: t.clone() for n, t in iter_hf_weights(module.policy)}  # a collective: every rank
 sharded = all(hasattr(p, "full_tensor") for p in module.policy.parameters())
+frozen = {
+    name: parameter_bytes(model)
+    for name, model in (("reference", module.reference), ("teacher", module.teacher))
+    if model is not None
+}
 torch.save(
-    {"weights": weights, "sharded": sharded, "seen": seen, "collectives": collectives["n"]},
+    {
+        "weights": weights,
+        "sharded": sharded,
+        "seen": seen,
+        "kl": kls,
+        "frozen": frozen,
+        "collectives": collectives["n"],
+    },
     f"{out}.rank{trainer.global_rank}",
 )
 trainer.strategy.barrier()
