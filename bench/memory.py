@@ -1,6 +1,7 @@
 """Peak memory and time of one training step, chunked (the module) vs full `[B, T, V]` logits.
 
     python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2]
+    python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512]
 
 A Qwen2.5-0.5B-wide policy (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV heads,
 tied embeddings) with 2 layers; all heads: Dr. GRPO + OPD (teacher = the policy given the
@@ -24,6 +25,10 @@ objective and heads, with SDPO on gathered `[B, T, V]` logits. Both paths print 
 the run also checks they compute the same objective. Shapes whose full-logits step cannot fit
 in this machine's memory are estimated (marked "est.") from the smaller shape, linearly in
 B·T.
+
+`--micro-rows`: the same step on rollout batches of growing size at a fixed length, one forward
+per minibatch vs micro-batches under a fixed token budget (`max_tokens_per_micro_batch`): the
+micro-batched step's peak memory and time per token should stay flat in the batch size.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def logits_of(model, ids, mask):
 class FullLogitsModule(ComposerModule):
     """ComposerModule with every forward on full `[B, T, V]` logits (one update per batch)."""
 
-    def rollout_targets(self, rb, needs, splits=None, updates=1):
+    def rollout_targets(self, rb, needs, splits=None, updates=1, plans=None):
         with torch.no_grad():
             ref = logprobs_from_logits(
                 logits_of(self.reference, rb.input_ids, rb.attention_mask),
@@ -107,7 +112,7 @@ class FullLogitsModule(ComposerModule):
             self._teacher_logits = gather_teacher_logits(t_logits, pos)  # [B, T, V]
         return RolloutTargets(ref_logprobs=ref, teacher_logprobs=lp, teacher_aligned=aligned)
 
-    def step_context(self, mb, needs, targets=None):
+    def step_context(self, mb, needs, targets=None, scores=None):
         logits = logits_of(self.policy, mb.input_ids, mb.attention_mask)  # [B, T, V]
         logprobs = logprobs_from_logits(logits, mb.input_ids, self.temperature)
         shifted = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
@@ -178,16 +183,20 @@ def worker(path: str, B: int, T: int, steps: int, threads: int, checkpointing: b
         DrGRPOHead(),
         OPDHead(weight=0.5),
         KLHead(kl_coef=0.01),
-        (SDPOHead if path == "chunked" else FullLogitsSDPO)(weight=0.1),
+        (FullLogitsSDPO if path == "full" else SDPOHead)(weight=0.1),
         replay,
     ]
-    cls = ComposerModule if path == "chunked" else FullLogitsModule
+    cls = FullLogitsModule if path == "full" else ComposerModule
+    micro = {}
+    if path.startswith("micro"):  # micro<N>: micro-batches of at most N padded tokens
+        micro = {"max_tokens_per_micro_batch": int(path[len("micro") :])}
     module = cls(
         policy,
         heads,
         max_logprob_gap=None,
         activation_checkpointing=checkpointing,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6),
+        **micro,
     )
     g = torch.Generator().manual_seed(1)
 
@@ -276,6 +285,16 @@ def main() -> None:
         action="store_true",
         help="without activation checkpointing of the decoder layers (both paths)",
     )
+    ap.add_argument(
+        "--micro-rows",
+        nargs="+",
+        type=int,
+        default=None,
+        help="instead: rollout batches of these many samples (e.g. 8 32 128), one forward vs "
+        "micro-batches of --micro-tokens padded tokens",
+    )
+    ap.add_argument("--micro-T", type=int, default=64, help="tokens per sample for --micro-rows")
+    ap.add_argument("--micro-tokens", type=int, default=512, help="micro-batch token budget")
     ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -285,6 +304,9 @@ def main() -> None:
                 worker(args.worker[0], B, T, args.steps, args.threads, not args.no_checkpointing)
             )
         )
+        return
+    if args.micro_rows:
+        micro_table(args)
         return
     avail = args.memory_gib or _mem_available_gib()
     rows, first_full = [], None
@@ -332,6 +354,47 @@ def main() -> None:
             f"| {shape} | {copy_gib:.2f} GiB | {f['extra_GiB']:.2f} GiB{est} | {c['extra_GiB']:.3f} GiB | "
             f"{c['extra_GiB'] / copy_gib:.3f} | {c['state_extra_GiB']:.2f} GiB | {f['step_s']:.1f}{est} | "
             f"{c['step_s']:.1f} | {c['step_s'] / f['step_s']:.2f}{est} | {loss_f} | {c['losses'][0]:.6f} |"
+        )
+
+
+def micro_table(args: argparse.Namespace) -> None:
+    """Peak RSS and time per token of a step as the rollout batch grows: one forward per
+    minibatch (the baseline) vs micro-batches under a fixed token budget, each its own process."""
+    ckpt = not args.no_checkpointing
+    rows = []
+    for B in args.micro_rows:
+        one = run("chunked", B, args.micro_T, args.steps, args.threads, ckpt)
+        micro = run(f"micro{args.micro_tokens}", B, args.micro_T, args.steps, args.threads, ckpt)
+        rows.append((B, one, micro))
+        print(json.dumps({"B": B, "one": one, "micro": micro}), file=sys.stderr)
+    print(
+        f"policy {QWEN_WIDTHS} + frozen reference copy; AdamW; {args.threads} thread(s); "
+        f"T = {args.micro_T}; micro-batches of <= {args.micro_tokens} padded tokens; median of "
+        f"{args.steps} step(s); activation checkpointing {'on' if ckpt else 'off'}"
+    )
+    print(
+        "| samples | one forward: peak RSS | micro: peak RSS | micro / one | one forward: "
+        "ms/token | micro: ms/token | micro / one | loss one | loss micro |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for B, one, micro in rows:
+        if "error" in one or "error" in micro:
+            print(f"| {B} | error: {one.get('error') or micro.get('error')} |")
+            continue
+        peak = [r["base_GiB"] + r["state_extra_GiB"] for r in (one, micro)]
+        per_token = [1e3 * r["step_s"] / r["tokens"] for r in (one, micro)]
+        print(
+            f"| {B} | {peak[0]:.2f} GiB | {peak[1]:.2f} GiB | {peak[1] / peak[0]:.2f} | "
+            f"{per_token[0]:.3f} | {per_token[1]:.3f} | {per_token[1] / per_token[0]:.2f} | "
+            f"{one['losses'][0]:.6f} | {micro['losses'][0]:.6f} |"
+        )
+    ok = [r for _, _, r in rows if "error" not in r]
+    if len(ok) > 1:
+        peaks = [r["base_GiB"] + r["state_extra_GiB"] for r in ok]
+        rates = [r["step_s"] / r["tokens"] for r in ok]
+        print(
+            f"micro-batched, largest / smallest batch: peak RSS {max(peaks) / min(peaks):.3f}, "
+            f"time per token {max(rates) / min(rates):.3f}"
         )
 
 

@@ -12,25 +12,27 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.forward import ForwardOwner, TokenScores, by_piece, policy_scores
+from composer_lightning.forward import Forwards, TokenScores, by_piece, policy_scores
 from composer_lightning.microbatch import Plan, gradient_sync
 
 #: The per-token outputs pass 2 replays, as named in `TokenScores`.
 _PER_TOKEN = ("logprobs", "entropy", "hidden")
 
 
-def outputs(owner: ForwardOwner, mb: RolloutBatch, plan: Plan, needs: set[str]) -> TokenScores:
+def outputs(f: Forwards, mb: RolloutBatch, plan: Plan, needs: set[str]) -> TokenScores:
     """Pass 1: the policy's outputs on `mb`, per micro-batch without grad, as leaves.
 
-    The LM head weight is a detached copy (a leaf too) when a head reads hidden states and
-    the LM head (SDPO): its gradient is handed to the live weight in pass 2."""
+    The LM head weight is the policy's own parameter (a head that reads hidden states and the
+    LM head, SDPO, puts its gradient there directly), except under FSDP2, where the gathered
+    weight exists only around a forward: then a detached copy stands in (a leaf too) and its
+    gradient is handed to the live weight in pass 2."""
     weight: list[Tensor] = []
 
     def forward(sub: RolloutBatch) -> dict[str, Tensor]:
-        scores = policy_scores(owner, sub, needs)
+        scores = policy_scores(f, sub, needs)
         weight[:] = [scores.lm_head_weight]
         return {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
 
@@ -38,13 +40,14 @@ def outputs(owner: ForwardOwner, mb: RolloutBatch, plan: Plan, needs: set[str]) 
         values = by_piece(mb, plan, "student", forward)
     leaves = {k: v.requires_grad_() for k, v in values.items()}
     head = weight[0]
-    if "hidden" in leaves:
+    if "hidden" in leaves and _fsdp2(f.policy):
+        # FSDP2's unsharded LM head lives only around a forward: a copy stands in for it
         head = head.detach().clone().requires_grad_()
     return TokenScores(leaves["logprobs"], leaves.get("entropy"), leaves.get("hidden"), head)
 
 
 def backward(
-    owner: ForwardOwner,
+    f: Forwards,
     loss: Tensor,
     scores: TokenScores,
     mb: RolloutBatch,
@@ -60,16 +63,16 @@ def backward(
             the leaves their gradients and runs any policy forward a head made on other
             sequences (replay DPO's pairs) back into the parameters.
     """
-    policy = owner.policy
+    policy = f.policy
     leaves = {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
-    head = scores.lm_head_weight if scores.hidden is not None else None
+    head = scores.lm_head_weight if scores.hidden is not None and _fsdp2(policy) else None
     with gradient_sync(policy, False):
         run_backward(loss)
     grads = {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
     pieces = list(plan.pieces(mb, "student"))
     for n, (rows, sub) in enumerate(pieces):
         with gradient_sync(policy, n == len(pieces) - 1):
-            live = policy_scores(owner, sub, needs)
+            live = policy_scores(f, sub, needs)
             outs, ins = [], []
             for key in leaves:
                 out = getattr(live, key)
@@ -84,3 +87,10 @@ def backward(
                 outs.append(live.lm_head_weight)  # the SDPO term's own use of the LM head
                 ins.append(head.grad.to(live.lm_head_weight.dtype))
             torch.autograd.backward(outs, ins)
+
+
+def _fsdp2(model: nn.Module) -> bool:
+    """Whether `model` is sharded by FSDP2's `fully_shard`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)

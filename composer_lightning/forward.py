@@ -9,6 +9,8 @@ final norm, LM head) are all-gathered by FSDP2's pre-forward hook and, as FSDP2 
 root by default (`reshard_after_forward=None`), stay unsharded until the backward is done. The
 LM head weight read after the forward is therefore the full weight, its chunks' gradients
 accumulate into it, and FSDP2's post-backward reduce-scatters them with the rest of the root's.
+A frozen model (reference, separate teacher) reshards its root right after the forward
+(`models.sharding.shard_frozen`): its LM head is gathered whole for the chunks, without grad.
 
 The models are HF-style causal LMs: `get_output_embeddings()` (an LM head without bias) and
 `output_hidden_states` (the last entry is the final, normed hidden state).
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from composer_lightning.functional import (
 )
 from composer_lightning.functional.align import teacher_alignment
 from composer_lightning.microbatch import Plan
+from composer_lightning.models.sharding import full_weight
 from composer_lightning.step import RolloutTargets, StepContext
 
 #: fp32 elements of one chunk's logits (64 MiB): tokens per chunk = this // V.
@@ -65,8 +67,10 @@ def final_hidden(
         output_hidden_states=True,
         logits_to_keep=1,
     )
-    # read after the forward: under FSDP2 this is the root's unsharded weight
-    return out.hidden_states[-1], model.get_output_embeddings().weight
+    # read after the forward: under FSDP2 the policy root's unsharded weight, a frozen root's
+    # shard (gathered here)
+    states = out.hidden_states[-1]
+    return states, full_weight(model.get_output_embeddings().weight, states.dtype)
 
 
 @dataclass
@@ -145,17 +149,25 @@ def teacher_view(
 
 
 # ---------------------------------------------------------------------------- step inputs
-class ForwardOwner(Protocol):
-    """What the forwards read from their owner, a `ComposerModule`."""
+@dataclass(frozen=True)
+class Forwards:
+    """What the forwards of a step need, handed in whole (a `ComposerModule` builds it).
+
+    Attributes:
+        policy: the policy (trained).
+        reference: the frozen reference model, or None.
+        teacher: the frozen teacher, or None: the live policy on the hinted contexts.
+        temperature: the sampling temperature (log-probs of `logits / temperature`).
+        chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
+        entropy: the policy forward computes entropies (an entropy bonus reads them).
+    """
 
     policy: nn.Module
     reference: nn.Module | None
-    teacher: nn.Module | None  # None: the live policy
+    teacher: nn.Module | None
     temperature: float
     chunk_size: int | None
-    norm_length: int | None  # None: each batch's max_response_length
-    objective: Any  # its `entropy_coef` and `aggregation`
-    global_step: int
+    entropy: bool = False
 
 
 _TEACHER = frozenset({"teacher_logprobs", "teacher_hidden", "teacher_logits"})
@@ -164,12 +176,13 @@ _TEACHER_HIDDEN = frozenset({"teacher_hidden", "teacher_logits"})
 
 @torch.no_grad()
 def rollout_targets(
-    owner: ForwardOwner,
+    f: Forwards,
     rb: RolloutBatch,
     needs: set[str],
     splits: list[Tensor] | None = None,
     updates: int = 1,
     plans: list[Plan] | None = None,
+    behavior_logprobs: Tensor | None = None,
 ) -> RolloutTargets:
     """The no-grad values of a rollout batch, computed once before its first update.
 
@@ -179,7 +192,7 @@ def rollout_targets(
     placeholder where a rank has fewer), so FSDP2's collectives always match.
 
     Args:
-        owner: the models and settings (a `ComposerModule`); its teacher None = the live policy.
+        f: the models and settings; a teacher None is the live policy.
         rb: the rollout batch.
         needs: the union of the active heads' `requires` over this batch's updates.
         splits: the row indices of its minibatches (None: one).
@@ -187,9 +200,10 @@ def rollout_targets(
             are recomputed and the live policy's LM head is copied for the teacher (it changes
             before the last update reads the teacher hidden states).
         plans: each minibatch's micro-batches (`microbatch.plans`); None: one forward each.
+        behavior_logprobs: a stale batch's behaviour log-probs (the engine's), kept as they are.
     """
-    policy, teacher, reference = owner.policy, owner.teacher, owner.reference
-    temperature, chunk_size = owner.temperature, owner.chunk_size
+    policy, teacher, reference = f.policy, f.teacher, f.reference
+    temperature, chunk_size = f.temperature, f.chunk_size
     old = snapshot_teacher_head = updates > 1
     B, T = rb.input_ids.shape
     if splits is None:
@@ -230,12 +244,14 @@ def rollout_targets(
             parts.setdefault("teacher_aligned", []).append((idx, values["aligned"]))
             if want_hidden:
                 parts.setdefault("teacher_hidden", []).append((idx, values["hidden"]))
-    out = RolloutTargets(**{k: _assemble(v, B) for k, v in parts.items()})
+    head = None
     if want_hidden and (teacher is not None or snapshot_teacher_head):
-        out.teacher_lm_head_weight = (
-            head_weight.detach().clone() if teacher is None else head_weight
-        )
-    return out
+        head = head_weight.detach().clone() if teacher is None else head_weight
+    return RolloutTargets(
+        **{k: _assemble(v, B) for k, v in parts.items()},
+        teacher_lm_head_weight=head,
+        behavior_logprobs=behavior_logprobs,
+    )
 
 
 def by_piece(
@@ -316,37 +332,46 @@ def _assemble(parts: list[tuple[Tensor, Tensor]], B: int) -> Tensor:
     return out
 
 
-def policy_scores(owner: ForwardOwner, mb: RolloutBatch, needs: set[str]) -> TokenScores:
+def policy_scores(f: Forwards, mb: RolloutBatch, needs: set[str]) -> TokenScores:
     """The policy forward of a step on `mb`: log-probs, and the entropies and hidden states
     when the objective reads them."""
     return score_tokens(
-        owner.policy,
+        f.policy,
         mb.input_ids,
         mb.attention_mask,
-        temperature=owner.temperature,
+        temperature=f.temperature,
         mask=mb.response_mask,
-        entropy=owner.objective.entropy_coef > 0 or "entropy" in needs,
+        entropy=f.entropy or "entropy" in needs,
         hidden=bool(needs & {"hidden", "logits"}),
-        chunk_size=owner.chunk_size,
+        chunk_size=f.chunk_size,
     )
 
 
 def step_context(
-    owner: ForwardOwner,
+    f: Forwards,
     mb: RolloutBatch,
     targets: RolloutTargets,
     needs: set[str],
+    *,
+    global_step: int,
+    aggregation: str,
+    norm_length: int | None = None,
     scores: TokenScores | None = None,
 ) -> StepContext:
     """One policy forward (grad) on a minibatch plus its rows of the rollout targets; given
-    `scores` (the micro-batched step's outputs, `accumulate.py`), no forward."""
-    policy, reference = owner.policy, owner.reference
-    temperature, chunk_size, norm_length = owner.temperature, owner.chunk_size, owner.norm_length
+    `scores` (the micro-batched step's outputs, `accumulate.py`), no forward.
+
+    Args:
+        global_step, aggregation: the `StepContext`'s; norm_length: `token_sum_norm`'s
+            length, None: the batch's `max_response_length`.
+    """
+    policy, reference = f.policy, f.reference
+    temperature, chunk_size = f.temperature, f.chunk_size
     if norm_length is None:
         norm_length = mb.max_response_length
     want_hidden = bool(needs & {"hidden", "logits"})
     if scores is None:
-        scores = policy_scores(owner, mb, needs)
+        scores = policy_scores(f, mb, needs)
     provided: dict[str, object] = {}
     if scores.entropy is not None:
         provided["entropy"] = scores.entropy
@@ -373,10 +398,10 @@ def step_context(
         ).logprobs
 
     return StepContext(
-        global_step=owner.global_step,
+        global_step=global_step,
         logprobs=scores.logprobs,
         old_logprobs=old,
-        aggregation=owner.objective.aggregation,
+        aggregation=aggregation,
         norm_length=norm_length,
         temperature=temperature,
         chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),

@@ -16,8 +16,8 @@ The policy's loss is not a sum over micro-batches in general (group baselines, t
    chain rule the parameter gradients sum to those of the unbatched step (exact but for the
    order of float additions).
 The cost is one more no-grad forward per step; the memory is one micro-batch's activations plus
-the minibatch's outputs (`[B, T]` floats; `[B, T, H]` hidden states and a copy of the LM head
-only when a head reads them, e.g. SDPO).
+the minibatch's outputs (`[B, T]` floats; `[B, T, H]` hidden states when a head reads them,
+e.g. SDPO, and under FSDP2 then also a copy of the LM head).
 
 Under FSDP2 every forward is a collective: the ranks agree on each forward's count of
 micro-batches (the largest) and a rank with fewer runs placeholders (its first row, with zero

@@ -9,6 +9,7 @@ type: heads declare what they read in `requires`. No step holds `[B, T, V]` logi
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
@@ -39,7 +40,7 @@ from composer_lightning.checkpoint import (
     set_rng_state,
 )
 from composer_lightning.distributed import StepMetrics, agree, full, rank_mismatch, world
-from composer_lightning.forward import TokenScores, rollout_targets, step_context
+from composer_lightning.forward import Forwards, TokenScores, rollout_targets, step_context
 from composer_lightning.heads.base import Head
 from composer_lightning.inputs import check_trainer_options
 from composer_lightning.microbatch import MicroBatching, Plan
@@ -53,7 +54,7 @@ from composer_lightning.models.loading import (
     reference_model,
 )
 from composer_lightning.models.lora import adapter_config, is_lora, lora_policy
-from composer_lightning.models.sharding import data_parallel_mesh, shard_fsdp2
+from composer_lightning.models.sharding import data_parallel_mesh, shard_frozen, shard_fsdp2
 from composer_lightning.models.stored import read_model_files, reading_checkpoint
 from composer_lightning.objective import Aggregation, Mixing, Objective
 from composer_lightning.resume import (
@@ -61,6 +62,7 @@ from composer_lightning.resume import (
     Differences,
     differences,
     keep_frozen,
+    leave_frozen_out,
     policy_mismatch,
 )
 from composer_lightning.step import RolloutTargets, StepContext
@@ -190,6 +192,7 @@ class ComposerModule(L.LightningModule):
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
         self.reference = reference_model(reference, self.policy, self.heads)
         self.teacher = frozen_model(teacher, "model.teacher")
+        leave_frozen_out(self)  # rebuilt from the configuration: never in a checkpoint
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.chunk_size = norm_length, chunk_size
         self.configured_temperature = temperature  # None: the sampler's (RolloutCallback.setup)
@@ -210,11 +213,17 @@ class ComposerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """FSDP2 under ModelParallelStrategy (see `models.sharding.shard_fsdp2`); a
+        """FSDP2 under ModelParallelStrategy: the policy (`models.sharding.shard_fsdp2`) and the
+        frozen reference and teacher (`shard_frozen`), each rank holding 1/N of every model; a
         tensor-parallel mesh dimension is refused (`models.sharding.data_parallel_mesh`)."""
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not getattr(self, "_fully_sharded", False):
-            shard_fsdp2(self.policy, data_parallel_mesh(mesh), str(self.trainer.precision))
+            dp, precision = data_parallel_mesh(mesh), str(self.trainer.precision)
+            shard_fsdp2(self.policy, dp, precision)
+            for frozen in (self.reference, self.teacher):
+                # a LoRA policy's reference holds no weights: its forward is the policy's
+                if frozen is not None and next(frozen.parameters(), None) is not None:
+                    shard_frozen(frozen, dp, precision)
             self._fully_sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -239,6 +248,18 @@ class ComposerModule(L.LightningModule):
         return opt, None if self.lr_scheduler_factory is None else self.lr_scheduler_factory(opt)
 
     # ----------------------------------------------------------------- the public seams
+    @property
+    def forwards(self) -> Forwards:
+        """The models and settings the step's forwards read (`forward.py`)."""
+        return Forwards(
+            self.policy,
+            self.reference,
+            self.teacher,
+            self.temperature,
+            self.chunk_size,
+            entropy=self.objective.entropy_coef > 0,
+        )
+
     def rollout_targets(
         self,
         rb: RolloutBatch,
@@ -246,10 +267,11 @@ class ComposerModule(L.LightningModule):
         splits: list[Tensor] | None = None,
         updates: int = 1,
         plans: list[Plan] | None = None,
+        behavior_logprobs: Tensor | None = None,
     ) -> RolloutTargets:
         """The no-grad values of a rollout batch, once, before its first of `updates` updates
         (per micro-batch of each minibatch with `plans`)."""
-        return rollout_targets(self, rb, needs, splits, updates, plans)
+        return rollout_targets(self.forwards, rb, needs, splits, updates, plans, behavior_logprobs)
 
     def step_context(
         self,
@@ -262,7 +284,16 @@ class ComposerModule(L.LightningModule):
         (computed here, for this minibatch alone, when not given); given `scores` (a
         micro-batched step's outputs), no forward."""
         targets = targets if targets is not None else self.rollout_targets(mb, needs)
-        return step_context(self, mb, targets, needs, scores)
+        return step_context(
+            self.forwards,
+            mb,
+            targets,
+            needs,
+            global_step=self.global_step,
+            aggregation=self.objective.aggregation,
+            norm_length=self.norm_length,
+            scores=scores,
+        )
 
     # ----------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -286,12 +317,11 @@ class ComposerModule(L.LightningModule):
             if self.micro_batching.enabled
             else None
         )
-        targets = self.rollout_targets(rb, needs, splits, updates, plans)
         # generated ahead, by an older version (a batch without a version stamp is taken as on
         # policy: synthetic or recorded data, nothing to correct against)
         stale = rb.policy_version is not None and rb.policy_version != self.policy_version
-        if stale:
-            targets.behavior_logprobs = rb.engine_logprobs
+        behavior = rb.engine_logprobs if stale else None
+        targets = self.rollout_targets(rb, needs, splits, updates, plans, behavior)
         history: dict[str, list[float]] = defaultdict(list)
         canary = StepMetrics()
         step_metrics = rb.extras.pop("metrics", None) or StepMetrics()  # the rollout side's
@@ -302,11 +332,13 @@ class ComposerModule(L.LightningModule):
             weights = self.objective.weights(self.global_step)
             requirements = self.objective.requirements(weights)
             plan = None if plans is None else plans[part]
-            scores = None if plan is None else accumulate.outputs(self, mb, plan, requirements)
+            scores = (
+                None if plan is None else accumulate.outputs(self.forwards, mb, plan, requirements)
+            )
             ctx = self.step_context(mb, requirements, targets.select(idx), scores)
             if update == 0:
                 if targets.old_logprobs is None:  # a single update: the current log-probs
-                    targets.old_logprobs = ctx.old_logprobs
+                    targets = replace(targets, old_logprobs=ctx.old_logprobs)
                 canary = check_canary(rb, targets.old_logprobs, self._max_gap(rb), stale)
                 if rb.policy_version is not None:
                     canary.max("rollout/staleness", self.policy_version - rb.policy_version)
@@ -320,7 +352,7 @@ class ComposerModule(L.LightningModule):
                 self.manual_backward(loss)
             else:
                 accumulate.backward(
-                    self, loss, scores, mb, plan, requirements, self.manual_backward
+                    self.forwards, loss, scores, mb, plan, requirements, self.manual_backward
                 )
             if self.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(
@@ -393,7 +425,7 @@ class ComposerModule(L.LightningModule):
         found = self.resume_differences(checkpoint, world()[1])
         found.raise_refused()
         found.report()
-        keep_frozen(checkpoint, self)
+        keep_frozen(checkpoint)
         state = checkpoint.get("composer", {})
         self.policy_version, self._restored_rng = load_state(
             state, self.heads, self.allow_head_changes

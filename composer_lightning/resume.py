@@ -13,8 +13,9 @@ warning line per difference (`resuming with lr 0.0001 (the checkpoint was traine
 - head weights, schedules and other head settings (a head's saved state is loaded into the head
   as configured), and the module's loop settings (clip, aggregation, ppo_epochs, minibatches,
   temperature, ...);
-- a frozen teacher or reference model: the configured one is used (frozen models never change,
-  so the checkpoint's copy is the configured one unless the configuration changed);
+- a frozen teacher or reference model: the configured one is used. Frozen models never change
+  and are rebuilt from the configuration, so checkpoints leave them out (`leave_frozen_out`: a
+  checkpoint holds the policy alone, sharded or whole); copies in older checkpoints are dropped;
 - the rollout side's group size and sampling settings (`RolloutCallback`), the data's seed and
   prompts per step (`RolloutDataModule`).
 What cannot be honoured is ONE `ConfigError` naming every such difference, raised by the command
@@ -45,8 +46,9 @@ log = logging.getLogger(__name__)
 
 #: Hyper-parameters compared elsewhere (heads, optimizer settings, scheduler) or not at all.
 _NOT_COMPARED = frozenset({"_instantiator", "allow_head_changes", "heads", "lr_scheduler"})
-#: Frozen models: the configured ones are used, never the checkpoint's copies (`keep_frozen`).
+#: Frozen models: the configured ones are used, never stored (`leave_frozen_out`).
 FROZEN = ("reference", "teacher")
+_FROZEN_KEYS = tuple(f"{name}." for name in FROZEN)
 #: A scheduler's progress, as opposed to its settings.
 _PROGRESS = frozenset(
     {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
@@ -207,18 +209,31 @@ def policy_mismatch(checkpoint: dict[str, Any], policy: torch.nn.Module) -> str 
     )
 
 
-def keep_frozen(checkpoint: dict[str, Any], module: torch.nn.Module) -> None:
-    """Put the module's own frozen models (`FROZEN`, as configured and loaded) in place of the
-    checkpoint's copies: the same weights unless the configuration changed the model or added
-    or removed it (a head that needs a reference)."""
+def leave_frozen_out(module: torch.nn.Module) -> None:
+    """Keep `module`'s frozen models (`FROZEN`) out of its state dict and out of what its
+    `load_state_dict` reports missing: every checkpoint path (a whole file, FSDP2's sharded
+    directory, `load_from_checkpoint`) then stores and loads the policy alone, and the frozen
+    models stay as configured and loaded (sharded or not)."""
+    module.register_state_dict_post_hook(_drop_frozen)
+    module.register_load_state_dict_post_hook(_frozen_not_missing)
+
+
+def _drop_frozen(module: torch.nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
+    for key in [k for k in state if k[len(prefix) :].startswith(_FROZEN_KEYS)]:
+        del state[key]
+
+
+def _frozen_not_missing(module: torch.nn.Module, keys: Any) -> None:
+    keys.missing_keys[:] = [k for k in keys.missing_keys if not k.startswith(_FROZEN_KEYS)]
+
+
+def keep_frozen(checkpoint: dict[str, Any]) -> None:
+    """Drop the frozen models' copies from a whole checkpoint written before they were left out
+    (`leave_frozen_out`), so that the configured ones stay; a sharded checkpoint's copies are
+    never read (only the module's own state dict keys are loaded)."""
     state = checkpoint.get("state_dict")
-    if state is None:  # a sharded checkpoint: loaded by the strategy itself
-        return
-    own = module.state_dict()
-    for prefix in (f"{name}." for name in FROZEN):
-        for key in [k for k in state if k.startswith(prefix)]:
-            del state[key]
-        state.update({k: v for k, v in own.items() if k.startswith(prefix)})
+    for key in [k for k in state or {} if k.startswith(_FROZEN_KEYS)]:
+        del state[key]
 
 
 @dataclass

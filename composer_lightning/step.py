@@ -24,9 +24,10 @@ from composer_lightning.functional import masked_aggregate, sequence_logprobs
 _MISSING = object()
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutTargets:
-    """No-grad values of one rollout batch, shared by all its updates (`[B, ...]` rows).
+    """No-grad values of one rollout batch, shared by all its updates (`[B, ...]` rows); built
+    whole (`forward.rollout_targets`), never completed by mutation.
 
     Attributes:
         old_logprobs: `[B, T]` log-probs of the policy before the first update, or None (with a
@@ -184,7 +185,11 @@ class StepContext:
     def reference_sequence_logprobs(
         self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor
     ) -> Tensor:
-        """`[N]` summed reference log-probs of the response tokens (no grad)."""
+        """`[N]` summed reference log-probs of the response tokens (no grad).
+
+        Under FSDP2 this is a forward of the sharded reference, a collective: a head that calls
+        it must call it on every rank in every step (on a placeholder when it has nothing to do).
+        """
         if self._reference_forward is None:
             raise AttributeError(
                 "reference forward needs 'ref_logprobs' in requires and a reference model"

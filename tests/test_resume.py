@@ -157,26 +157,33 @@ def test_a_policy_of_another_shape_is_refused_in_the_same_error():
     )
 
 
-def test_the_configured_frozen_models_replace_the_checkpoints_copies():
-    """A teacher swapped for another, and a reference added by a KL head (allowed), load."""
+def test_checkpoints_leave_the_frozen_models_out_and_the_configured_ones_stay():
+    """The module's state dict (what every checkpoint stores) holds the policy alone. Resuming
+    from an older checkpoint with a teacher copy in it, with that teacher swapped for another
+    and a reference added by a KL head (allowed), keeps the configured ones: the strict load
+    passes and changes neither."""
     first = ComposerModule(
         tiny_model(torch.float32), [DrGRPOHead()], teacher=tiny_model(torch.float32, seed=1)
     )
-    checkpoint: dict = {"state_dict": first.state_dict()}
+    state = first.state_dict()
+    assert state and all(k.startswith("policy.") for k in state)
+    older = {f"teacher.{k}": v for k, v in first.teacher.state_dict().items()}
+    checkpoint: dict = {"state_dict": {**state, **older}}
     first.on_save_checkpoint(checkpoint)
-    teacher = tiny_model(torch.float32, seed=2)
     second = ComposerModule(
         tiny_model(torch.float32),
         [DrGRPOHead(), KLHead(kl_coef=0.1)],
-        teacher=teacher,
+        teacher=tiny_model(torch.float32, seed=2),
         allow_head_changes=True,
     )
-    expected = {k: v.clone() for k, v in second.state_dict().items() if not k.startswith("policy.")}
+    frozen = {"reference": second.reference, "teacher": second.teacher}
+    expected = {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in frozen.items()}
     second.on_load_checkpoint(checkpoint)
-    second.load_state_dict(checkpoint["state_dict"])  # strict: every key is there
-    for key, value in second.state_dict().items():
-        if key in expected:
-            assert torch.equal(value, expected[key]), key
+    second.load_state_dict(checkpoint["state_dict"])  # strict: only the frozen models are absent
+    for name, model in frozen.items():
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, expected[name][key]), (name, key)
+    assert not torch.equal(expected["teacher"]["lm_head.weight"], older["teacher.lm_head.weight"])
 
 
 def test_a_changed_group_size_sampling_or_data_setting_is_honoured_with_one_line_each(caplog):

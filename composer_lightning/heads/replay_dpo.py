@@ -121,11 +121,14 @@ class ReplayDPOHead(Head):
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         if not self.buffer:
-            # The policy forward is a collective under FSDP2: run it on every rank in every
-            # step, on a placeholder (the batch's first sample) that contributes exactly 0.
+            # The policy and reference forwards are collectives under FSDP2: run them on every
+            # rank in every step, on a placeholder (the batch's first sample) that contributes
+            # exactly 0.
             keep = batch.attention_mask[0].bool()
             ids, resp = batch.input_ids[:1, keep], batch.response_mask[:1, keep]
             seq_lp = ctx.policy_sequence_logprobs(ids, torch.ones_like(ids), resp)
+            if self.reference == "model":
+                ctx.reference_sequence_logprobs(ids, torch.ones_like(ids), resp)
             return HeadOutput(loss=seq_lp.sum() * 0.0, metrics={"buffer_size": 0.0, "pairs": 0.0})
         k = min(self.pairs_per_step, len(self.buffer))
         picks = torch.randperm(len(self.buffer), generator=self.generator)[:k].tolist()

@@ -1,11 +1,17 @@
-"""FSDP2 sharding of a policy, with fp32 master weights under bf16 compute."""
+"""FSDP2 sharding of the policy and of the frozen models (reference, separate teacher).
+
+The policy keeps fp32 master weights under bf16 compute. The frozen models are sharded the
+same way over the same mesh, so a rank holds 1/N of their parameters too; being frozen, they
+have no gradients (nothing is reduce-scattered for them) and every module of theirs, the root
+included, reshards right after its forward: no unsharded weights stay between forwards.
+"""
 
 from __future__ import annotations
 
 import warnings
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from composer_lightning.errors import ConfigError
 from composer_lightning.models.lora import is_lora
@@ -36,8 +42,31 @@ def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
 
     With `precision="bf16-mixed"` the sharded (master) parameters and the optimizer state stay
     fp32 while forward and backward run on bf16 copies, and gradients are reduced in fp32
-    (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
+    (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`). The root stays unsharded
+    from its forward to the end of its backward (FSDP2's default for a root).
     """
+    _shard(policy, dp_mesh, precision, reshard_root=None)
+
+
+def shard_frozen(model: nn.Module, dp_mesh: object, precision: str) -> None:
+    """`fully_shard` a frozen model like the policy (`shard_fsdp2`), its root resharded after
+    each forward too: it has no backward that would reshard it.
+
+    Its forwards are collectives: every rank must run the same ones in every step. The LM head
+    weight read after a forward is then a sharded DTensor; `full_weight` gathers it.
+    """
+    _shard(model, dp_mesh, precision, reshard_root=True)
+
+
+def full_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """`weight` whole, in the forward's compute `dtype`: a sharded (DTensor) parameter is
+    all-gathered (a collective), a plain tensor is returned as is."""
+    if hasattr(weight, "full_tensor"):
+        return weight.full_tensor().to(dtype)
+    return weight
+
+
+def _shard(model: nn.Module, dp_mesh: object, precision: str, reshard_root: bool | None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
@@ -46,7 +75,7 @@ def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
     # `output_hidden_states` (forward.py) returns the embedding output, a view; nothing modifies
     # it in place, so FSDP2's warning about views is moot here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    base = policy.get_base_model() if is_lora(policy) else policy  # peft: the HF model inside
+    base = model.get_base_model() if is_lora(model) else model  # peft: the HF model inside
     for layer in getattr(getattr(base, "model", None), "layers", []):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-    fully_shard(policy, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_root)

@@ -31,6 +31,7 @@ from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights
 from composer_lightning.heads.dr_grpo import DrGRPOHead
+from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.models.tiny import tiny_policy_path
@@ -98,7 +99,12 @@ def main(kind: str, out: str, ckpt: str | None) -> None:
         callbacks.append(KillAll(KILL_AT))
     module = ComposerModule(
         tiny_policy_path(),
-        [DrGRPOHead(), OPDHead(weight=0.5), ReplayDPOHead(weight=0.5, pairs_per_step=2)],
+        [
+            DrGRPOHead(),
+            OPDHead(weight=0.5),
+            KLHead(kl_coef=0.01),  # a frozen reference, sharded and kept out of checkpoints
+            ReplayDPOHead(weight=0.5, pairs_per_step=2),
+        ],
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
     )
     trainer = L.Trainer(

@@ -1,6 +1,6 @@
 """Train the composed module for a few steps under a strategy; every rank saves what it saw.
 
-    python tests/scale/_train.py {ddp|fsdp2|ddp_rollout|fsdp2_rollout|fsdp2_uneven|fsdp2_raise} OUT.pt
+    python tests/scale/_train.py {ddp|fsdp2|fsdp2_micro|ddp_rollout|fsdp2_rollout|fsdp2_uneven|fsdp2_raise} OUT.pt
 
 `ddp` / `fsdp2` train on synthetic batches without gradient clipping (the gradients themselves
 are compared); the rollout kinds keep the module's defaults: clipping at `max_grad_norm=1.0`
@@ -9,6 +9,11 @@ every other sample, no score on the rest, and no hints (fewer samples than rank 
 replay buffer, no SDPO or OPD term, a placeholder teacher forward) while rank 0 gets the
 verifier's. `fsdp2_raise`: rank 1's reward function raises from the second step on, and
 collectives time out after 120 s instead of 30 minutes, so a rank left waiting fails by itself.
+`fsdp2_micro`: `fsdp2` in micro-batches, rank 0 under a 60-token budget and rank 1 under 20
+(more forwards: rank 0 runs placeholders); both count the collectives that reduce gradients.
+The reference (the KL head's, also read by replay DPO at use time) is a frozen copy of the
+policy; the rollout kinds train with a separate teacher (the tiny policy's directory). Every
+rank records each step's KL metrics and its share of the frozen models' parameter bytes.
 A rank whose fit raises writes `{"step": global step, "error": one line}` to OUT.rank<r>.err,
 waits until every rank has written its own, and exits with status 3.
 """
@@ -75,14 +80,36 @@ heads = [
     OPDHead(weight=0.5),
     SDPOHead(weight=0.1),
     KLHead(kl_coef=0.01),
-    ReplayDPOHead(weight=0.1, pairs_per_step=2),
+    ReplayDPOHead(weight=0.1, pairs_per_step=2, reference="model"),
 ]
-callbacks, seen = [], []
+kls: list[dict[str, float]] = []
+
+
+class RecordKL(L.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        kls.append(
+            {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("kl/")}
+        )
+
+
+def parameter_bytes(model) -> dict:
+    """This rank's bytes of `model`'s parameters, the whole model's, and whether every
+    parameter is sharded now (a DTensor; an unsharded one left after a forward is not)."""
+    params = list(model.parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return {
+        "local": sum(t.numel() * t.element_size() for t in local),
+        "full": sum(p.numel() * p.element_size() for p in params),
+        "sharded": all(hasattr(p, "to_local") for p in params),
+    }
+
+
+callbacks, seen = [RecordKL()], []
 if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, prompts by rank
     policy = tiny_policy_path()
     data = RolloutDataModule(prompts_per_step=2)
     uneven = kind != "fsdp2_rollout" and kind != "ddp_rollout"
-    callbacks = [
+    callbacks += [
         RolloutCallback(
             HFEngine(seed=0),
             group_size=4 if uneven else 2,
@@ -113,11 +140,27 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
 else:
     policy = TinyLlama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, seed=0)
     data = SyntheticRolloutDataModule(vocab_size=64, seed=0)
+micro, collectives = {}, {"n": 0}
+if kind == "fsdp2_micro":  # before the processes start, each rank reads its own LOCAL_RANK
+    micro = {"max_tokens_per_micro_batch": 20 if os.environ.get("LOCAL_RANK") == "1" else 60}
+if kind in ("fsdp2", "fsdp2_micro"):
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args, _original=original, **kwargs):
+            collectives["n"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
 module = ComposerModule(
     policy,
     heads,
+    teacher=tiny_policy_path() if kind.endswith("_rollout") else None,
     optimizer=lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3),
     **({} if rollouts else {"max_grad_norm": None}),
+    **micro,
 )
 trainer = L.Trainer(
     accelerator="cpu",
@@ -142,8 +185,21 @@ except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zer
     os._exit(3)
 weights = {n: t.clone() for n, t in iter_hf_weights(module.policy)}  # a collective: every rank
 sharded = all(hasattr(p, "full_tensor") for p in module.policy.parameters())
+frozen = {
+    name: parameter_bytes(model)
+    for name, model in (("reference", module.reference), ("teacher", module.teacher))
+    if model is not None
+}
 torch.save(
-    {"weights": weights, "sharded": sharded, "seen": seen}, f"{out}.rank{trainer.global_rank}"
+    {
+        "weights": weights,
+        "sharded": sharded,
+        "seen": seen,
+        "kl": kls,
+        "frozen": frozen,
+        "collectives": collectives["n"],
+    },
+    f"{out}.rank{trainer.global_rank}",
 )
 trainer.strategy.barrier()
 # Skip interpreter teardown on every rank: gloo's threads can abort it after the work is done.

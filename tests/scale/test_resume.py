@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from tests.test_cli import ROOT
 
@@ -73,13 +74,15 @@ def _equal_buffers(a: list[dict], b: list[dict]) -> bool:
 def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, tmp_path):
     """k = 1: each rank generates one batch ahead in its own engine process; batches 1 … 4 are
     one version stale, checked by the canary at their version (through FSDP2's forward), and
-    the batch generated ahead is in each rank's checkpoint."""
+    the batch generated ahead is in each rank's checkpoint. The KL head's sharded reference
+    is not in the checkpoint (rebuilt from the configuration), which holds the policy alone."""
     rc, err = _run("whole", tmp_path / "whole", k=k)
     assert rc == 0, err[-3000:]
     whole = _ranks(tmp_path / "whole")
     for rank in whole:
         assert [rank["steps"][s]["staleness"] for s in (1, 2, 3, 4)] == [0] + [k] * 3
-        assert max(rank["steps"][s]["gap"] for s in (1, 2, 3, 4)) < 1e-5
+        # fp32 rounding (1.1e-5 measured with the KL head), far below the 1e-3 gate
+        assert max(rank["steps"][s]["gap"] for s in (1, 2, 3, 4)) < 5e-5
     assert not _equal_buffers(whole[0]["buffer"], whole[1]["buffer"])  # else this proves nothing
     assert whole[0]["buffer"] and whole[1]["buffer"]
 
@@ -87,6 +90,9 @@ def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, tmp_pat
     assert rc == -signal.SIGKILL, err[-3000:]
     ckpt = tmp_path / "killed" / "checkpoints" / "step=2.ckpt"
     assert ckpt.is_dir() and not (tmp_path / "killed" / "checkpoints" / "step=4.ckpt").exists()
+    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    weights = [key for key in stored if key.startswith("state_dict.")]
+    assert weights and all(key.startswith("state_dict.policy.") for key in weights)
 
     rc, err = _run("resumed", tmp_path / "resumed", str(ckpt), k=k)
     assert rc == 0, err[-3000:]

@@ -60,6 +60,18 @@ def test_fsdp2_matches_ddp_on_two_cpu_ranks(train):
     assert any(not torch.equal(w, init[n].detach()) for n, w in ddp["weights"].items())
 
 
+def test_fsdp2_in_micro_batches_equals_fsdp2_and_syncs_once_per_step(train):
+    """Rank 1 cuts its minibatches into more micro-batches than rank 0 (20- vs 60-token
+    budgets): no hang, the weights are the unbatched run's, and each rank makes as many
+    gradient collectives (FSDP2's reduce-scatters and all-reduces, counted) as the unbatched
+    run: one reduction per optimizer step, not one per micro-batch."""
+    whole, micro = train("fsdp2"), train("fsdp2_micro")
+    for name, w in whole[0]["weights"].items():
+        torch.testing.assert_close(micro[0]["weights"][name], w, rtol=1e-5, atol=1e-6)
+    counts = [r["collectives"] for r in micro]
+    assert counts == [r["collectives"] for r in whole] and counts[0] == counts[1] > 0
+
+
 def test_fsdp2_matches_ddp_with_the_default_clip_and_canary_on_rollouts(train):
     """The rollout path with the module's defaults: every step's gradient norm (over the whole
     model, both ranks' average) is above `max_grad_norm=1.0`, so the clip binds, and equals
@@ -86,6 +98,39 @@ def test_fsdp2_matches_ddp_with_the_default_clip_and_canary_on_rollouts(train):
     assert moved > 1e-5  # the tolerance is far below the update
 
 
+@pytest.mark.parametrize(
+    "kinds, frozen",
+    [
+        (("ddp", "fsdp2"), ("reference",)),
+        (("ddp_rollout", "fsdp2_rollout"), ("reference", "teacher")),
+    ],
+)
+def test_fsdp2_shards_the_frozen_models_and_their_kl_terms_equal_ddps(train, kinds, frozen):
+    """Under FSDP2 each rank holds half the parameter bytes of the frozen reference (a copy of
+    the policy) and of a separate teacher (the rollout runs), still all sharded after the last
+    step (the frozen roots reshard after each forward), while DDP holds them whole; the KL
+    head's metrics, from the sharded reference's log-probs, equal DDP's (an unsharded
+    reference) at every step to fp32 rounding, and are not all zero (the policy moved)."""
+    ddp, fsdp = train(kinds[0]), train(kinds[1])
+    for name in frozen:
+        d, f = [r["frozen"][name] for r in ddp], [r["frozen"][name] for r in fsdp]
+        full = d[0]["full"]
+        assert all(r["local"] == r["full"] == full and not r["sharded"] for r in d)
+        assert all(r["full"] == full and r["sharded"] for r in f)
+        assert f[0]["local"] + f[1]["local"] == full
+        for r in f:  # half, up to the rows of a dimension that does not split evenly
+            assert abs(r["local"] - full / 2) <= 0.01 * full
+    moved = 0.0
+    for d, f in zip(ddp, fsdp, strict=True):
+        assert len(d["kl"]) == len(f["kl"]) == 3
+        for a, b in zip(d["kl"], f["kl"], strict=True):
+            assert a.keys() == b.keys() and "kl/k1_mean" in a
+            for key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+            moved = max(moved, abs(a["kl/k1_mean"]))
+    assert moved > 1e-4
+
+
 def test_fsdp2_rollouts_shard_prompts_and_keep_every_rank_engine_in_sync(train):
     """Two ranks, each with its own engine: different prompts per rank, the same weights after
     every step on both ranks, and each rank's engine in sync (canary gap ≈ 1e-6)."""
@@ -101,8 +146,8 @@ def test_fsdp2_rollouts_shard_prompts_and_keep_every_rank_engine_in_sync(train):
 
 def test_uneven_ranks_train_on_and_log_metrics_of_both_ranks(train):
     """Rank 1 scores every other sample (a constant) and has no hints: half its samples are
-    dropped, an empty replay buffer, no SDPO or OPD term and a placeholder teacher forward,
-    while rank 0 has all of them; both train on, with the same weights, and the logged reward
+    dropped, an empty replay buffer (placeholder policy and reference forwards), no SDPO or OPD
+    term and a placeholder teacher forward, while rank 0 has all of them; both train on, with the same weights, and the logged reward
     mean is the mean over both ranks' samples (rank 1 has fewer: a mean of the two ranks'
     means would differ)."""
     r0, r1 = (rank["seen"] for rank in train("fsdp2_uneven"))
