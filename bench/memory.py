@@ -388,14 +388,23 @@ def micro_table(args: argparse.Namespace) -> None:
             f"{per_token[0]:.3f} | {per_token[1]:.3f} | {per_token[1] / per_token[0]:.2f} | "
             f"{one['losses'][0]:.6f} | {micro['losses'][0]:.6f} |"
         )
-    ok = [r for _, _, r in rows if "error" not in r]
+    ok = [(one, micro) for _, one, micro in rows if "error" not in one and "error" not in micro]
     if len(ok) > 1:
-        peaks = [r["base_GiB"] + r["state_extra_GiB"] for r in ok]
-        rates = [r["step_s"] / r["tokens"] for r in ok]
+        peaks = [m["base_GiB"] + m["state_extra_GiB"] for _, m in ok]
         print(
             f"micro-batched, largest / smallest batch: peak RSS {max(peaks) / min(peaks):.3f}, "
-            f"time per token {max(rates) / min(rates):.3f}"
+            f"time per token {max(r['step_s'] / r['tokens'] for _, r in ok) / min(r['step_s'] / r['tokens'] for _, r in ok):.3f}"
         )
+        # a step is a fixed cost (the optimizer, the [V, H] embedding and LM-head gradients)
+        # plus a cost per token: the marginal time per token between two sizes is the latter
+        print("| from → to samples | one forward: marginal ms/token | micro: marginal ms/token |")
+        print("|---|---|---|")
+        for (o1, m1), (o2, m2) in zip(ok, ok[1:], strict=False):
+            marginal = [
+                1e3 * (b["step_s"] - a["step_s"]) / (b["tokens"] - a["tokens"])
+                for a, b in ((o1, o2), (m1, m2))
+            ]
+            print(f"| {o1['B']} → {o2['B']} | {marginal[0]:.2f} | {marginal[1]:.2f} |")
 
 
 def _mem_available_gib() -> float:

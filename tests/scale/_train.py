@@ -171,6 +171,7 @@ trainer = L.Trainer(
     enable_checkpointing=False,
     enable_progress_bar=False,
     enable_model_summary=False,
+    num_sanity_val_steps=0,  # the reward calls are counted from the first training step
     callbacks=callbacks,
 )
 try:
