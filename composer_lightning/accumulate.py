@@ -41,8 +41,9 @@ def outputs(f: Forwards, mb: RolloutBatch, plan: Plan, needs: set[str]) -> Token
     leaves = {k: v.requires_grad_() for k, v in values.items()}
     head = weight[0]
     if "hidden" in leaves and _fsdp2(f.policy):
-        # FSDP2's unsharded LM head lives only around a forward: a copy stands in for it
-        head = head.detach().clone().requires_grad_()
+        # FSDP2's gathered LM head lives only around a forward: a copy stands in for it (a
+        # leaf that collects the gradient, unless the head is frozen: LoRA)
+        head = head.detach().clone().requires_grad_(head.requires_grad)
     return TokenScores(leaves["logprobs"], leaves.get("entropy"), leaves.get("hidden"), head)
 
 
@@ -65,7 +66,9 @@ def backward(
     """
     policy = f.policy
     leaves = {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
-    head = scores.lm_head_weight if scores.hidden is not None and _fsdp2(policy) else None
+    head = scores.lm_head_weight
+    if scores.hidden is None or not _fsdp2(policy) or not head.requires_grad:
+        head = None  # no stand-in copy: any gradient is in the parameter already
     with gradient_sync(policy, False):
         run_backward(loss)
     grads = {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
