@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_lightning.distributed import StepMetrics
+
 
 @dataclass
 class DPOPairs:
@@ -61,7 +63,12 @@ class RolloutBatch:
             elsewhere.
         sdpo_mask: `[B, T]` bool, response tokens the SDPO head supervises.
         dpo_pairs: optional replay pairs recorded by the rollout side.
-        extras: free-form per-batch information (metrics of the rollout side, task fields).
+        index: the prompt batch (stream position) it was made from, or None.
+        metrics: the rollout side's metrics of this batch, each with its reduction over ranks;
+            the module reduces and logs them with its own, once per step.
+        engine_dtype: the engine's compute dtype ("float32", "bfloat16", ...; the canary's
+            default threshold), or None.
+        extras: free-form per-batch information of the user's.
     """
 
     input_ids: Tensor
@@ -80,6 +87,9 @@ class RolloutBatch:
     teacher_positions: Tensor | None = None
     sdpo_mask: Tensor | None = None
     dpo_pairs: DPOPairs | None = None
+    index: int | None = None
+    metrics: StepMetrics | None = None
+    engine_dtype: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -149,7 +159,8 @@ class RolloutBatch:
             raise ValueError(f"max_response_length must be > 0, got {self.max_response_length}")
 
     def select(self, index: Tensor) -> RolloutBatch:
-        """The sub-batch of rows `index` (a minibatch); replay pairs and extras are shared."""
+        """The sub-batch of rows `index` (a minibatch); replay pairs, metrics and extras are
+        shared."""
         kwargs: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)

@@ -22,6 +22,7 @@ import torch
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.chat import TraceSample, problem_messages, single_turn_teacher
 from composer_lightning.datamodules.packing import pack_samples
+from composer_lightning.distributed import StepMetrics
 from composer_lightning.engines.base import Completion
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
 from composer_lightning.tasks.calls import BadValue, as_hint, as_reward
@@ -150,7 +151,7 @@ def build_rollout(
     group_size: int,
     samples_per_step: int,
     mask_truncated: bool = False,
-) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]]]:
+) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the surviving samples of one prompt batch.
 
     With `mask_truncated` (TRL's `mask_truncated_completions`), a completion that reached
@@ -158,9 +159,9 @@ def build_rollout(
     token in any loss: its `response_mask` (and `sdpo_mask`) rows are all False.
 
     Returns:
-        The rollout batch; the step's metrics (plus `_tokens` and `_rewarded`, the generated
-        tokens and rewarded samples, for weighting); and one sample row (prompt, completion,
-        reward, hint) for each of the first `samples_per_step` prompts.
+        The rollout batch; the step's rollout metrics, each with its reduction over ranks
+        (counts summed, means weighted by their samples, maxima); and one sample row (prompt,
+        completion, reward, hint) for each of the first `samples_per_step` prompts.
 
     Raises:
         ScoringError: every score call failed, or every sample was dropped.
@@ -223,22 +224,24 @@ def build_rollout(
             )
     lengths = [len(c.token_ids) for _, c in flat]
     rewarded = torch.tensor([s for s in scores if s is not None], dtype=torch.float)
-    metrics = {
-        **counts,
-        "rollout/reward_mean": float(rewarded.mean()) if len(rewarded) else 0.0,
-        "rollout/reward_std": float(rewarded.std(unbiased=False)) if len(rewarded) else 0.0,
-        "rollout/response_length_mean": sum(lengths) / len(lengths),
-        "rollout/response_length_max": float(max(lengths)),
-        "rollout/truncation_rate": sum(c.finish_reason == "length" for _, c in flat) / len(flat),
-        "rollout/masked_truncated": float(truncated.sum()) if mask_truncated else 0.0,
-        "rollout/score_failures": float(failures),
-        "rollout/hint_failures": float(hint_failures),
-        "rollout/judge_truncated": float(
-            getattr(score, "truncated", 0) + getattr(hint, "truncated", 0)
-        ),
-        "_tokens": float(sum(lengths)),
-        "_rewarded": float(len(rewarded)),
-    }
+    n, r = float(len(flat)), float(len(rewarded))
+    metrics = StepMetrics()  # each with its reduction over ranks
+    metrics.update(counts, kind="sum")
+    metrics.mean("rollout/reward_mean", float(rewarded.mean()) if r else 0.0, weight=r)
+    metrics.mean("rollout/reward_std", float(rewarded.std(unbiased=False)) if r else 0.0, weight=r)
+    metrics.mean("rollout/response_length_mean", sum(lengths) / n, weight=n)
+    metrics.max("rollout/response_length_max", float(max(lengths)))
+    metrics.mean(
+        "rollout/truncation_rate", sum(c.finish_reason == "length" for _, c in flat) / n, weight=n
+    )
+    metrics.sum("rollout/masked_truncated", float(truncated.sum()) if mask_truncated else 0.0)
+    metrics.sum("rollout/score_failures", float(failures))
+    metrics.sum("rollout/hint_failures", float(hint_failures))
+    metrics.sum(
+        "rollout/judge_truncated",
+        float(getattr(score, "truncated", 0) + getattr(hint, "truncated", 0)),
+    )
+    metrics.sum("rollout/tokens", float(sum(lengths)))
     for provider in (score, hint):  # counts are per step
         if getattr(provider, "truncated", 0):
             provider.truncated = 0

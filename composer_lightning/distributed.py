@@ -78,6 +78,10 @@ class StepMetrics:
         for name, value in values.items():
             getattr(self, kind)(name, value)
 
+    def include(self, other: StepMetrics) -> None:
+        """`other`'s metrics, with their reductions, added to these (same names: `other`'s)."""
+        self._values.update(other._values)
+
     def local(self) -> dict[str, float]:
         return {name: v for name, (_, v, _) in self._values.items()}
 

@@ -324,7 +324,9 @@ class ComposerModule(L.LightningModule):
         targets = self.rollout_targets(rb, needs, splits, updates, plans, behavior)
         history: dict[str, list[float]] = defaultdict(list)
         canary = StepMetrics()
-        step_metrics = rb.extras.pop("metrics", None) or StepMetrics()  # the rollout side's
+        step_metrics = StepMetrics()
+        if rb.metrics is not None:  # the rollout side's, reduced with the module's, once
+            step_metrics.include(rb.metrics)
         for update in range(updates):
             part = update % len(splits)
             idx = splits[part]
@@ -381,7 +383,7 @@ class ComposerModule(L.LightningModule):
     def _max_gap(self, rb: RolloutBatch) -> float | None:
         if self.max_logprob_gap != "auto":
             return self.max_logprob_gap
-        return default_max_logprob_gap(self.trainer.precision, rb.extras.get("engine_dtype"))
+        return default_max_logprob_gap(self.trainer.precision, rb.engine_dtype)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Held-out figures the rollout callback computed for this batch (`validation.py`)."""

@@ -75,7 +75,8 @@ def test_a_raising_hint_provider_leaves_the_batch_to_its_rewards_with_one_summar
         rollout, metrics, _ = build_rollout(
             batch, outs, tokenizer, 4, VerifierScore(), _RaisingHints(), "user", 2, 0
         )
-    assert metrics["rollout/hint_failures"] == 4 and metrics["dispatch/rl_only"] == 4
+    local = metrics.local()
+    assert local["rollout/hint_failures"] == 4 and local["dispatch/rl_only"] == 4
     assert rollout.batch_size == 4 and not rollout.has_teacher.any()
     assert caplog.records[-1].getMessage() == (
         "rollout batch 0: 4 of 4 hint calls failed (one line each above); those samples get no hint"
@@ -99,7 +100,7 @@ def test_masked_truncated_completions_keep_their_reward_but_no_loss_token():
     masked, metrics, _ = build_rollout(
         batch, outs, tokenizer, 2, VerifierScore(), None, "user", 2, 0, mask_truncated=True
     )
-    assert metrics["rollout/masked_truncated"] == 1.0
+    assert metrics.local()["rollout/masked_truncated"] == 1.0
     assert plain.response_mask[1].any() and not masked.response_mask[1].any()
     assert torch.equal(masked.response_mask[0], plain.response_mask[0])
     assert masked.has_reward.tolist() == [True, True]

@@ -423,7 +423,7 @@ class RolloutCallback(L.Callback):
         every = self.samples_every_n_steps
         if every and trainer.global_step % every == 0:
             write_samples(trainer, trainer.global_step, self._samples)
-        rollout.extras["metrics"] = metrics  # reduced and logged with the module's, once
+        rollout.metrics = metrics  # reduced and logged with the module's, once
         rollout = rollout.to(pl_module.device)
         self._recompute_stale(pl_module, rollout)
         batch["rollout"] = rollout
@@ -497,7 +497,7 @@ class RolloutCallback(L.Callback):
                 )
         compared = check_fingerprint(self._fingerprints.get(version), engine_print, version)
         metrics.max("rollout/fingerprint_params", compared)
-        rollout, local, self._samples = build_rollout(
+        rollout, built, self._samples = build_rollout(
             batch,
             outs,
             tokenizer,
@@ -510,18 +510,9 @@ class RolloutCallback(L.Callback):
             self.mask_truncated_completions,
         )
         rollout.policy_version = version
-        rollout.extras["engine_dtype"] = getattr(self.engine, "dtype", None)  # canary threshold
-        tokens = local.pop("_tokens")
-        n_rewarded = local.pop("_rewarded")
-        for name, value in local.items():
-            if name.startswith("dispatch/") or name.endswith(("_failures", "_truncated")):
-                metrics.sum(name, value)
-            elif name.endswith("_max"):
-                metrics.max(name, value)
-            elif name.startswith("rollout/reward"):
-                metrics.mean(name, value, weight=n_rewarded)  # a mean over all ranks' samples
-            else:
-                metrics.mean(name, value, weight=len(outs) * self.group_size)
+        rollout.engine_dtype = getattr(self.engine, "dtype", None)  # the canary's threshold
+        metrics.include(built)
+        tokens = built.local()["rollout/tokens"]
         metrics.max("rollout/gen_time", gen_time)
         metrics.sum("rollout/tokens_per_s", tokens / max(gen_time, 1e-9))
         return rollout

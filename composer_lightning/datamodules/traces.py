@@ -108,14 +108,14 @@ class TraceDataModule(L.LightningDataModule):
             pad_id=self.tokenizer.pad_token_id or 0,
             max_response_length=self.max_response_length,
         )
-        rollout.extras["index"] = index
+        rollout.index = index
         return rollout
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_TraceStream(self), batch_size=None, collate_fn=lambda b: b)
 
     def on_after_batch_transfer(self, batch: RolloutBatch, dataloader_idx: int) -> RolloutBatch:
-        self.consumed = int(batch.extras["index"]) + 1
+        self.consumed = int(batch.index) + 1
         return batch
 
     def state_dict(self) -> dict[str, Any]:

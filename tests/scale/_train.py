@@ -130,9 +130,7 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
                     "reward_mean": float(metrics["rollout/reward_mean"]),
                     "buffer": len(module.heads[4].buffer),
                     "grad_norm": float(metrics["train/grad_norm"]),  # before the clip
-                    "max_gap": default_max_logprob_gap(
-                        trainer.precision, rb.extras.get("engine_dtype")
-                    ),
+                    "max_gap": default_max_logprob_gap(trainer.precision, rb.engine_dtype),
                 }
             )
 
