@@ -238,8 +238,12 @@ class RolloutCallback(L.Callback):
     def _check_providers(self, dm: Any) -> None:
         """A provider that cannot judge the run's problems (a verifier with no task to look
         up, a field it reads missing) is one line here, not a warning per sample: the score and
-        hint providers on the first training batch, the validation score on the held-out set."""
-        problems = dm.problems(dm.consumed)
+        hint providers on the rows of a prompt file or dataset, the validation score on its
+        held-out rows. A task's problems name their task by contract: nothing to check (and
+        nothing is drawn from the task here)."""
+        if getattr(dm, "file_problems", None) is None:
+            return
+        problems = [dm.with_task(p) for p in dm.file_problems]
         held_out = dm.validation_problems()
         for key, provider, which in (
             ("rollout.score", self.score, problems),

@@ -167,10 +167,10 @@ class RolloutDataModule(L.LightningDataModule):
         start = index * P * world + rank * P
         out = []
         for i in stream_positions(start, start + P, len(self.file_problems), self.seed):
-            out.append(self._with_task(self.file_problems[i]))
+            out.append(self.with_task(self.file_problems[i]))
         return out
 
-    def _with_task(self, problem: Problem) -> Problem:
+    def with_task(self, problem: Problem) -> Problem:
         """A file's problem with the data's task where the line names none."""
         problem = dict(problem)
         if "task" not in problem and self.task_name is not None:
@@ -191,7 +191,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.val_prompts == 0 or self.val_fraction == 0:
             return []
         if self.file_problems is not None:  # with the task, as the training stream has it
-            return [self._with_task(p) for p in self._file_val]
+            return [self.with_task(p) for p in self._file_val]
         rng, out, seen = random.Random(f"{self.seed}/validation"), [], set()
         for _ in range(self.val_prompts * 500):  # bounded: a small space has few held-out problems
             problem = self.task.sample(rng)
