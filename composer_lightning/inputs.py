@@ -111,15 +111,25 @@ def check_minibatches(minibatches: int, groups: int) -> None:
         )
 
 
-def check_trainer_options(trainer: Any) -> None:
+def check_trainer_options(trainer: Any, micro_batches: bool = False) -> None:
     """ConfigError naming the option to use instead of `trainer.gradient_clip_val` or
     `trainer.accumulate_grad_batches` in a fit: the module steps its optimizer itself (manual
-    optimisation), where Lightning applies neither.
+    optimisation), where Lightning applies neither. With `micro_batches`, also one under
+    `DDPStrategy`: the micro-batched step's backwards bypass Lightning's DDP bookkeeping
+    (`manual_backward`), so gradients would not be reduced as DDP expects.
 
     Called from `ComposerModule.configure_callbacks`, the last hook before Lightning checks the
     loop configuration."""
     if getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if micro_batches and isinstance(getattr(trainer, "strategy", None), DDPStrategy):
+        raise ConfigError(
+            "model.max_tokens_per_micro_batch / model.micro_batch_size are not supported under "
+            "DDPStrategy: use ModelParallelStrategy (FSDP2, gradients reduced once per "
+            "optimizer step) or one device, or leave micro-batches off"
+        )
     clip = getattr(trainer, "gradient_clip_val", None)
     if clip is not None and clip > 0:
         raise ConfigError(

@@ -229,7 +229,8 @@ class ComposerModule(L.LightningModule):
     def configure_callbacks(self) -> list[L.Callback]:
         # always on: 16-bit weights that swallow updates are reported; a signal loses nothing;
         # a checkpoint is whole or not written
-        check_trainer_options(self.trainer)  # Lightning checks these next, in its own words
+        # Lightning checks these next, in its own words
+        check_trainer_options(self.trainer, self.micro_batching.enabled)
         # progress in optimizer steps, not Lightning's "Epoch 0/-2" of an endless stream
         bar = in_place_of_the_default_bar(self.trainer)
         return bar + [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]

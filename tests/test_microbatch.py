@@ -99,3 +99,27 @@ def test_micro_batches_give_the_unbatched_loss_and_gradients(aggregation):
             n for n, w in want.items() if not torch.equal(w, tiny_model(seed=1).state_dict()[n])
         ]
         assert moved  # the step changed the weights (a gradient reached them)
+
+
+def test_micro_batches_under_ddp_are_one_configuration_line():
+    """DDP's reducer is driven through `manual_backward`; the micro-batched backwards are not,
+    so DDP with micro-batches is refused before anything runs."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from composer_lightning.errors import ConfigError
+    from composer_lightning.inputs import check_trainer_options
+
+    def trainer(strategy):
+        return SimpleNamespace(
+            state=SimpleNamespace(fn="fit"),
+            strategy=strategy,
+            gradient_clip_val=None,
+            accumulate_grad_batches=1,
+        )
+
+    with pytest.raises(ConfigError, match="not supported under DDPStrategy: use ModelParallel"):
+        check_trainer_options(trainer(DDPStrategy(process_group_backend="gloo")), True)
+    check_trainer_options(trainer(DDPStrategy(process_group_backend="gloo")), False)
+    check_trainer_options(trainer(SingleDeviceStrategy("cpu")), True)
