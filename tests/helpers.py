@@ -20,6 +20,22 @@ from composer_lightning.module import ComposerModule
 from composer_lightning.step import StepContext
 
 
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU `Trainer` that prints and writes nothing of its own (no logger, progress bar or
+    model summary), checkpointing only with a `ModelCheckpoint` among its `callbacks`;
+    `kwargs` go to `L.Trainer` and win over these defaults."""
+    callbacks = kwargs.get("callbacks") or []
+    checkpoints = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=checkpoints,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**(defaults | kwargs))
+
+
 def tiny_model(
     dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: int = 64
 ) -> nn.Module:

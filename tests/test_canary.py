@@ -14,7 +14,7 @@ from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.forward import score_tokens
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.module import ComposerModule
-from tests.helpers import tiny_model
+from tests.helpers import quiet_trainer, tiny_model
 
 
 def _batch():
@@ -56,13 +56,8 @@ def _fit(batches, **module_kw):
         def on_train_batch_end(self, trainer, *args):
             rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=len(batches),
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[Rows()],
     )
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
@@ -103,13 +98,8 @@ def test_nan_weights_stop_the_run_as_out_of_sync():
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
     module = ComposerModule(model, [DrGRPOHead()])
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     with pytest.raises(OutOfSyncError, match="non-finite trainer log-probs"):
         trainer.fit(module, train_dataloaders=DataLoader([rb], batch_size=None))

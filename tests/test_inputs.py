@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 
-import lightning as L
 import pytest
 
 from composer_lightning.callbacks.rollout import RolloutCallback
@@ -17,6 +16,7 @@ from composer_lightning.inputs import context_length
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule
 from composer_lightning.tasks import Task, Verdict
+from tests.helpers import quiet_trainer
 
 POLICY = tiny_policy_path()
 
@@ -25,13 +25,8 @@ def _fit(module, dm, steps=1):
     """Fit; whatever it raises is raised with `.engine_started` set on it."""
     engine = HFEngine(seed=0)  # follows the policy's directory
     cb = RolloutCallback(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[cb],
     )
     try:

@@ -33,7 +33,7 @@ from composer_lightning.models.lora import lora_policy  # noqa: E402
 from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
 from composer_lightning.module import ComposerModule  # noqa: E402
 from composer_lightning.tasks import VerifierHint  # noqa: E402
-from tests.helpers import one_sample_batch, tiny_model  # noqa: E402
+from tests.helpers import one_sample_batch, quiet_trainer, tiny_model  # noqa: E402
 from tests.test_cli import ROOT  # noqa: E402
 
 POLICY = tiny_policy_path()
@@ -142,12 +142,8 @@ def lora_fit(tmp_path_factory):
         engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), hint=VerifierHint()
     )
     gaps = Gaps()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[cb, gaps, L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp)],
     )
     trainer.fit(module, RolloutDataModule(tokenizer=POLICY, prompts_per_step=4))
@@ -214,12 +210,8 @@ def _resume_run(tmp_path, steps, ckpt_path=None) -> dict[str, torch.Tensor]:
         sampling=SamplingConfig(max_tokens=6, seed=0),
         hint=VerifierHint(),
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[cb, L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path)],
     )
     dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -18,7 +17,7 @@ from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.microbatch import MicroBatching, buckets, lengths
 from composer_lightning.module import ComposerModule
-from tests.helpers import tiny_model
+from tests.helpers import quiet_trainer, tiny_model
 
 
 def test_buckets_hold_every_row_once_within_the_budget():
@@ -64,13 +63,8 @@ def _trained(aggregation: str, **micro) -> tuple[dict[str, torch.Tensor], float]
         max_logprob_gap=None,
         **micro,
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
     loss = float(trainer.callback_metrics["train/loss"])

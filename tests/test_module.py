@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 
-import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -25,6 +24,7 @@ from tests.helpers import (
     context,
     full_logits,
     one_sample_batch,
+    quiet_trainer,
     teacher_logits_for,
     tiny_model,
 )
@@ -34,13 +34,8 @@ DELTA = torch.tensor([0.2, 0.9, 0.0, 0.6], dtype=torch.float64)
 
 
 def _fit(module: ComposerModule, batch, callbacks=()) -> dict[str, float]:
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=module.ppo_epochs * module.minibatches,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=list(callbacks),
     )
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))

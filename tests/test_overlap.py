@@ -24,7 +24,7 @@ from composer_lightning.models.loading import load_causal_lm
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule, OutOfSyncError
 from composer_lightning.tasks import VerifierHint
-from tests.helpers import BlindLostPushEngine, LostPushEngine
+from tests.helpers import BlindLostPushEngine, LostPushEngine, quiet_trainer
 
 POLICY = tiny_policy_path()
 
@@ -98,13 +98,8 @@ def _fit(engine, k, steps, lr=1e-4, callbacks=(), **trainer_kw):
         max_staleness=k,
     )
     seen = Metrics()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[rollout, seen, *callbacks],
         **({"limit_val_batches": 0} | trainer_kw),
     )

@@ -18,7 +18,7 @@ from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.module import ComposerModule
 from composer_lightning.resume import differences
-from tests.helpers import tiny_model
+from tests.helpers import quiet_trainer, tiny_model
 
 
 def _module(lr, weight_decay=0.01, gamma=None, **kw) -> ComposerModule:
@@ -40,13 +40,8 @@ def _module(lr, weight_decay=0.01, gamma=None, **kw) -> ComposerModule:
 
 def _fit(module, steps, tmp_path, ckpt_path=None) -> L.Trainer:
     callbacks = [] if ckpt_path else [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path)]
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=not ckpt_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     trainer.fit(module, SyntheticRolloutDataModule(vocab_size=64), ckpt_path=ckpt_path)

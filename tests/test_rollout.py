@@ -16,23 +16,18 @@ from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule, OutOfSyncError
 from composer_lightning.tasks import FunctionScore, ScoringError, VerifierHint
+from tests.helpers import quiet_trainer
 
 POLICY = tiny_policy_path()
 
 
 def _fit(callbacks, steps=3, heads=None, lr=1e-3, **dm_kw):
-    ckpt = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
     module = ComposerModule(
         POLICY, heads or [DrGRPOHead(), OPDHead()], optimizer=lambda p: torch.optim.AdamW(p, lr=lr)
     )
     dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4, **dm_kw)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=ckpt,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     trainer.fit(module, dm)
@@ -206,13 +201,8 @@ def test_resume_resyncs_the_engine_and_continues_the_prompt_stream(tmp_path):
     )
     dm2 = RolloutDataModule(tokenizer=POLICY, prompts_per_step=4)
     watch = Watch(cb.engine)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[cb, watch],
     )
     trainer.fit(module, dm2, ckpt_path=str(path))

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.module import ComposerModule
-from tests.helpers import full_logits, tiny_model
+from tests.helpers import full_logits, quiet_trainer, tiny_model
 
 CAP, LOW, HIGH, LR = 2.0, 0.2, 0.28, 40.0
 
@@ -99,13 +99,8 @@ def test_a_stale_batch_trains_on_the_decoupled_objective(stale):
     )
     module.policy_version = 1 if stale else 0
     last = LastLoss()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[last],
     )
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 
-import lightning as L
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule
 from composer_lightning.tasks import FunctionScore, VerifierHint
 from composer_lightning.validation import evaluate
+from tests.helpers import quiet_trainer
 
 POLICY = tiny_policy_path()
 
@@ -78,12 +78,7 @@ def _prompt_file(tmp_path, n=40):
 
 
 def _trainer(cb, **kw):
-    return L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    return quiet_trainer(
         callbacks=[cb],
         **kw,
     )

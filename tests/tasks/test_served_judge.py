@@ -10,7 +10,6 @@ import sys
 import time
 import urllib.request
 
-import lightning as L
 import pytest
 import torch
 
@@ -22,6 +21,7 @@ from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule
 from composer_lightning.tasks import Arithmetic, LLMJudgeScore, VerifierHint
+from tests.helpers import quiet_trainer
 
 pytestmark = pytest.mark.vllm
 
@@ -131,13 +131,8 @@ def test_a_rollout_step_with_a_served_judge_logs_truncated_votes(server) -> None
     module = ComposerModule(
         policy, [DrGRPOHead(), OPDHead()], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4)
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
     )
     trainer.fit(module, RolloutDataModule(prompts_per_step=2))
