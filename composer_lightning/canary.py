@@ -27,7 +27,7 @@ from composer_lightning.batch import RolloutBatch
 from composer_lightning.distributed import StepMetrics, agree
 from composer_lightning.engines.fingerprint import Fingerprint, fingerprint_mismatches
 from composer_lightning.engines.weights import hf_name
-from composer_lightning.forward import score_tokens
+from composer_lightning.forward import response_logprobs
 
 __all__ = [
     "CANARY_METRICS",
@@ -233,14 +233,7 @@ def version_logprobs(
     head = rb.select(torch.arange(min(rows, rb.batch_size), device=rb.input_ids.device))
 
     def scored() -> Tensor:
-        return score_tokens(
-            policy,
-            head.input_ids,
-            head.attention_mask,
-            temperature=temperature,
-            mask=head.response_mask,
-            chunk_size=chunk_size,
-        ).logprobs
+        return response_logprobs(policy, head, temperature, chunk_size)
 
     if any(hasattr(p, "to_local") for p in params.values()):  # FSDP2 shards: copy in and back
         with _weights_of(policy, weights, current):

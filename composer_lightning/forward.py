@@ -121,6 +121,20 @@ def score_tokens(
     return TokenScores(logprobs, ent, shifted, weight)
 
 
+def response_logprobs(
+    model: nn.Module, batch: RolloutBatch, temperature: float, chunk_size: int | None
+) -> Tensor:
+    """`[B, T]` log-probs of `batch`'s response tokens under `model` (0 elsewhere)."""
+    return score_tokens(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        temperature=temperature,
+        mask=batch.response_mask,
+        chunk_size=chunk_size,
+    ).logprobs
+
+
 def teacher_view(
     teacher_hidden: Tensor, teacher_logprobs: Tensor, teacher_positions: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -218,16 +232,7 @@ def rollout_targets(
         for key, model in scored:
 
             def logprobs(sub: RolloutBatch, model: nn.Module = model) -> dict[str, Tensor]:
-                return {
-                    "lp": score_tokens(
-                        model,
-                        sub.input_ids,
-                        sub.attention_mask,
-                        temperature=temperature,
-                        mask=sub.response_mask,
-                        chunk_size=chunk_size,
-                    ).logprobs
-                }
+                return {"lp": response_logprobs(model, sub, temperature, chunk_size)}
 
             parts.setdefault(key, []).append((idx, by_piece(mb, plan, "student", logprobs)["lp"]))
         if want_teacher:
