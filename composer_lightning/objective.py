@@ -22,7 +22,7 @@ from composer_lightning.functional import (
     truncated_importance_weights,
 )
 from composer_lightning.functional.policy import AGGREGATION_MODES
-from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.heads.base import TEACHER_SIGNALS, Head, HeadOutput
 from composer_lightning.mixer import AdvantageTerm, masked_stats, variance_scales
 from composer_lightning.step import StepContext
 
@@ -94,6 +94,11 @@ class Objective:
         """What the heads with a non-zero weight read from the step context."""
         needs = set().union(*(h.requires for h in self.heads if weights[h.name] > 0))
         return needs | ({"entropy"} if self.entropy_coef > 0 else set())
+
+    def reads_teacher(self) -> bool:
+        """Whether a head with a non-zero configured weight reads a hinted teacher (OPD, SDPO,
+        top-k OPD); if none does, the rollout side asks no hint provider for hints."""
+        return any(h.weight > 0 and h.requires & TEACHER_SIGNALS for h in self.heads)
 
     def requirements_over(self, step: int, updates: int) -> set[str]:
         """What the heads read over the `updates` optimizer steps starting at `step`."""

@@ -271,3 +271,29 @@ def test_the_held_out_split_is_disjoint_from_the_training_stream():
     assert all(is_heldout(p, 0.2) for p in dm.validation_problems())
     other = RolloutDataModule(tokenizer=POLICY, seed=5, val_fraction=0.2)
     assert not {str(p["messages"]) for i in range(100) for p in other.problems(i)} & val
+
+
+class CountingHint(VerifierHint):
+    """The verifier's hints, counting the calls."""
+
+    calls = 0
+
+    def hints(self, problems, completions):
+        CountingHint.calls += 1
+        return super().hints(problems, completions)
+
+
+@pytest.mark.parametrize(
+    "heads, called",
+    [([DrGRPOHead()], False), ([DrGRPOHead(), OPDHead(weight=0.0)], False), (None, True)],
+)
+def test_no_hint_is_asked_for_while_no_head_reads_a_teacher(heads, called):
+    CountingHint.calls = 0
+    _, _, trainer = _fit([_callback(hint=CountingHint())], steps=2, heads=heads)
+    assert (CountingHint.calls > 0) is called
+    m = trainer.callback_metrics
+    assert float(m["dispatch/opd_rl"]) + float(m["dispatch/opd_only"]) == (
+        float(m["dispatch/opd_rl"]) if called else 0.0
+    )
+    if not called:  # every sample went the RL-only way: no teacher ran
+        assert float(m["dispatch/rl_only"]) == 8.0

@@ -62,6 +62,12 @@ from composer_lightning.tasks.base import HintProvider, ScoreProvider, VerifierS
 from composer_lightning.validation import evaluate
 
 
+def reads_teacher(pl_module: Any) -> bool:
+    """Whether the module's heads read a hinted teacher (True for a module without heads)."""
+    objective = getattr(pl_module, "objective", None)
+    return objective.reads_teacher() if objective is not None else True
+
+
 class RolloutCallback(L.Callback):
     """Fresh rollouts from an inference engine every step, and the weight push after it.
 
@@ -76,7 +82,8 @@ class RolloutCallback(L.Callback):
             function of it, the step and the rank; None: drawn once by rank 0 and saved in
             checkpoints).
         score: score provider; default the task verifier.
-        hint: hint provider; None gives no teacher (no OPD/SDPO signal).
+        hint: hint provider; None gives no teacher (no OPD/SDPO signal). It is not called
+            (nor any teacher run) while no head with a non-zero weight reads a teacher.
         hint_role: role of the message that carries the hint.
         samples_every_n_steps: every this many steps, `samples_per_step` of rank 0's samples
             (prompt, completion, reward, hint) go to `rollouts.jsonl` in the run directory and
@@ -507,7 +514,7 @@ class RolloutCallback(L.Callback):
             tokenizer,
             sampling.max_tokens,
             self.score,
-            self.hint,
+            self.hint if reads_teacher(pl_module) else None,
             self.hint_role,
             self.group_size,
             self.samples_per_step,

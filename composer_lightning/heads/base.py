@@ -31,7 +31,14 @@ REQUIREMENTS = frozenset(
         "teacher_logits",
         "ref_logprobs",
         "sequence_logprobs",
+        "teacher_topk",
     }
+)
+
+#: The requirements that read a hinted teacher: without a head that has a non-zero weight and
+#: one of these, no hint is asked for (a judge is not paid for nothing) and no teacher runs.
+TEACHER_SIGNALS = frozenset(
+    {"teacher_logprobs", "teacher_hidden", "teacher_logits", "teacher_topk"}
 )
 
 
