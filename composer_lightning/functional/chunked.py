@@ -183,7 +183,7 @@ def chunked_generalized_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     clip: float | None = None,
-    clip_mode: str = "element",
+    clip_mode: str = "scale",
     chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor]:  # [N], [N]
     """The generalised JSD between two LM heads' distributions, in checkpointed row chunks.
@@ -201,7 +201,7 @@ def chunked_generalized_jsd(
         beta: Interpolation in [0, 1]; 0 = KL(p_T || p_S), 1 = KL(p_S || p_T).
         temperature: Softmax temperature, > 0.
         clip: Cap (> 0), or None for none.
-        clip_mode: `"element"` or `"token"`.
+        clip_mode: `"scale"`, `"element"` or `"token"` (see `generalized_jsd_per_token`).
         chunk_size: Rows per checkpointed chunk.
 
     Returns:

@@ -2,7 +2,10 @@
 
 The student (grad) and the teacher (no grad; the policy on the hinted context, or a frozen
 teacher model) are compared over the full vocabulary at `sdpo_mask` positions (GKD convention,
-Agarwal et al. 2024; TRL `generalized_jsd_loss`), with the OPSD element-wise clip.
+Agarwal et al. 2024; TRL `generalized_jsd_loss`). An optional bound scales a token's divergence
+down to `clip` (its gradient keeps its direction); the OPSD code's element-wise clamp (seed
+000) is still there as `clip_mode="element"`, but it zeroes the gradient exactly where teacher
+and student confidently disagree (`functional.jsd.generalized_jsd_per_token`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ class SDPOHead(Head):
     Args:
         beta: JSD interpolation in [0, 1] (0: KL(teacher‖student), 1: KL(student‖teacher)).
         temperature: τ > 0 applied to both logits inside the divergence.
-        clip: cap (> 0) on each vocabulary entry's term (`clip_mode="element"`) or on the
-            per-token sum (`"token"`); None disables it.
-        clip_mode: `element` (cap each vocabulary entry's term, as the OPSD code) or `token`.
+        clip: bound (> 0) on a token's divergence; None (default) disables it.
+        clip_mode: `scale` (default: a token's divergence times `min(1, clip / D)`, detached;
+            the gradient keeps its direction), `element` (cap each vocabulary entry's term, as
+            the OPSD code: zero gradient on the capped entries) or `token` (cap the sum: zero
+            gradient on a capped token).
         warmup_steps: linear warm-up of the weight (ignored when `schedule` is given).
     """
 
@@ -40,8 +45,8 @@ class SDPOHead(Head):
         weight: float = 1.0,
         beta: float = 0.5,
         temperature: float = 1.0,
-        clip: float | None = 0.05,
-        clip_mode: Literal["element", "token"] = "element",
+        clip: float | None = None,
+        clip_mode: Literal["scale", "element", "token"] = "scale",
         warmup_steps: int = 0,
         name: str | None = None,
         schedule: Schedule | None = None,
@@ -55,9 +60,9 @@ class SDPOHead(Head):
             raise ValueError(f"{self.name}: temperature must be > 0, got {temperature}")
         if clip is not None and not clip > 0:
             raise ValueError(f"{self.name}: clip must be > 0 or None, got {clip}")
-        if clip_mode not in ("element", "token"):
+        if clip_mode not in ("scale", "element", "token"):
             raise ValueError(
-                f"{self.name}: clip_mode must be 'element' or 'token', got {clip_mode!r}"
+                f"{self.name}: clip_mode must be 'scale', 'element' or 'token', got {clip_mode!r}"
             )
         self.beta, self.temperature, self.clip, self.clip_mode = beta, temperature, clip, clip_mode
 

@@ -253,7 +253,7 @@ def test_chunked_jsd_peak_logits_do_not_grow_with_tokens():
         ({"chunk_size": 2.0}, r"chunk_size must be a positive integer, got 2.0"),
         ({"chunk_size": True}, r"chunk_size must be a positive integer, got True"),
         ({"beta": 1.5}, r"beta must be in \[0, 1\], got 1.5"),
-        ({"clip_mode": "row"}, r"clip_mode 'row'; expected one of element, token"),
+        ({"clip_mode": "row"}, r"clip_mode 'row'; expected one of scale, element, token"),
         ({0: torch.zeros(3, 4, 1)}, r"student_hidden must be 2-D, got shape \[3, 4, 1\]"),
         ({1: torch.zeros(11, 3)}, r"student_weight \[11, 3\] must be \[V, H\] for student_hidden"),
         ({3: torch.zeros(11, 4)}, r"teacher_weight \[11, 4\] must be \[V, H\] for teacher_hidden"),

@@ -41,6 +41,7 @@ def ref_token(s, t, beta, tau, clip, mode):
     if clip is None:
         return total, 0.0
     value = sum(min(x, clip) for x in terms) if mode == "element" else min(total, clip)
+    # "scale" and "token" have the same value; they differ in the gradient
     return value, (total - value) / total if total > 0 else 0.0
 
 
@@ -49,7 +50,7 @@ def logits(seed, shape, scale=2.0):
     return torch.randn(shape, generator=g, dtype=torch.float64) * scale
 
 
-CLIPS = [(None, "element"), (0.05, "element"), (0.3, "token")]
+CLIPS = [(None, "element"), (0.05, "element"), (0.3, "token"), (0.3, "scale")]
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
@@ -104,8 +105,9 @@ def test_zero_on_equal_and_nonnegative(beta):
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
-@pytest.mark.parametrize(("clip", "mode"), CLIPS)
+@pytest.mark.parametrize(("clip", "mode"), [c for c in CLIPS if c[1] != "scale"])
 def test_gradcheck(beta, clip, mode):
+    # "scale" is not the derivative of its value by design (a detached factor): tested below
     # seeds chosen so that, for every case, some but not all capped quantities exceed the cap
     s, t = logits(16, (2, 2, 4), scale=1.5), logits(17, (2, 2, 4), scale=1.5)
     mask = torch.tensor([[1, 1], [0, 1]], dtype=torch.bool)
@@ -222,7 +224,10 @@ def test_two_dim_input_and_empty_mask():
         ({"beta": -0.1}, r"got -0.1"),
         ({"temperature": 0.0}, r"temperature must be in \(0, inf\), got 0.0"),
         ({"clip": 0.0}, r"clip must be in \(0, inf\), got 0.0"),
-        ({"clip": 0.1, "clip_mode": "row"}, r"clip_mode 'row'; expected one of element, token"),
+        (
+            {"clip": 0.1, "clip_mode": "row"},
+            r"clip_mode 'row'; expected one of scale, element, token",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, pattern):
@@ -241,3 +246,44 @@ def test_shape_errors():
         generalized_jsd(x, x, torch.ones(2, 4))
     with pytest.raises(ValueError, match=r"student_logits must be 2-D or 3-D"):
         generalized_jsd(torch.zeros(4), torch.zeros(4))
+
+
+def test_scale_clip_bounds_the_value_and_keeps_the_gradient_direction():
+    """`scale`: value min(D, c), gradient min(1, c / D) * grad D (float64, against the gradient
+    of the unclipped divergence by autograd)."""
+    s, t = logits(21, (6, 5)), logits(22, (6, 5))
+    clip = 0.3
+    s1 = s.clone().requires_grad_(True)
+    full, _ = generalized_jsd_per_token(s1, t, beta=0.5, temperature=0.9)
+    full.sum().backward()
+    assert (full > clip).any() and (full < clip).any()
+    factor = (clip / full.detach()).clamp(max=1.0)
+    for i in range(6):  # per token: the gradient of its own divergence, scaled
+        si = s.clone().requires_grad_(True)
+        d, _ = generalized_jsd_per_token(si, t, beta=0.5, temperature=0.9)
+        (d[i]).backward()
+        sc = s.clone().requires_grad_(True)
+        v, share = generalized_jsd_per_token(sc, t, beta=0.5, temperature=0.9, clip=clip)
+        v[i].backward()
+        assert abs(v[i].item() - min(full[i].item(), clip)) < 1e-12
+        assert abs(share[i].item() - (1 - factor[i].item())) < 1e-12
+        assert torch.allclose(sc.grad, factor[i] * si.grad, atol=1e-14, rtol=0)
+        assert sc.grad.abs().sum() > 0  # never silenced
+
+
+def test_element_clip_silences_the_confident_disagreement_and_scale_does_not():
+    """Teacher sure of token 0 (the hint's answer), student sure of token 1 (its wrong guess):
+    at beta = 0.5 every entry's term over 0.05 is capped, and those are the only entries whose
+    gradient would move mass from 1 to 0. Element clip: the student's gradient on those two
+    logits is 0 (exactly, up to the tail's tiny terms); scale: it points from 1 to 0."""
+    s = torch.tensor([[-3.0, 4.0, 0.0, 0.0]], dtype=torch.float64)
+    t = torch.tensor([[4.0, -3.0, 0.0, 0.0]], dtype=torch.float64)
+    grads = {}
+    for mode in ("element", "scale"):
+        x = s.clone().requires_grad_(True)
+        v, share = generalized_jsd_per_token(x, t, beta=0.5, clip=0.05, clip_mode=mode)
+        v.sum().backward()
+        grads[mode] = x.grad[0]
+    el, sc = grads["element"], grads["scale"]
+    assert el[:2].abs().max() < 1e-2 * sc[:2].abs().max()  # silenced where it matters
+    assert sc[0] < 0 < sc[1]  # descent raises the teacher's token, lowers the student's guess

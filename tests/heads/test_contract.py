@@ -76,7 +76,7 @@ def test_schedules():
         (lambda: registry.load("sdpo")(clip=0.0), "clip must be > 0 or None, got 0.0"),
         (
             lambda: registry.load("sdpo")(clip_mode="row"),
-            "clip_mode must be 'element' or 'token', got 'row'",
+            "clip_mode must be 'scale', 'element' or 'token', got 'row'",
         ),
         (
             lambda: registry.load("kl")(estimator="k4"),
