@@ -115,6 +115,7 @@ def opd_advantages(
     teacher_logprobs: Tensor,  # [B, T]
     old_logprobs: Tensor,  # [B, T]
     response_mask: Tensor,  # [B, T] bool or 0/1 float
+    gap_clip: float | None = None,
 ) -> Tensor:  # [B, T]
     """On-policy distillation advantage: teacher minus behaviour log-prob per sampled token.
 
@@ -129,10 +130,15 @@ def opd_advantages(
         teacher_logprobs: Teacher log-probs of the sampled tokens.
         old_logprobs: Behaviour-policy log-probs of the same tokens.
         response_mask: Tokens that receive the term.
+        gap_clip: clamp the gap to `[-gap_clip, gap_clip]` (> 0; OpenClaw-RL's top-k OPD clips
+            it at 1.0): log-probs scale with 1 / temperature and a confident teacher gives gaps
+            of tens of nats on a wrong token; None: no clamp.
 
     Returns:
         The advantage term.
     """
+    if gap_clip is not None and not gap_clip > 0:
+        raise ValueError(f"gap_clip must be > 0 or None, got {gap_clip}")
     check_same_shape(
         ("teacher_logprobs", teacher_logprobs),
         ("old_logprobs", old_logprobs),
@@ -140,4 +146,6 @@ def opd_advantages(
     )
     mask = as_bool_mask(response_mask)
     diff = teacher_logprobs - old_logprobs
+    if gap_clip is not None:
+        diff = diff.clamp(-gap_clip, gap_clip)
     return torch.where(mask, diff, torch.zeros_like(diff))

@@ -11,6 +11,7 @@ import warnings
 from composer_lightning.batch import RolloutBatch
 from composer_lightning.functional import opd_advantages
 from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.heads.schedules import Schedule
 from composer_lightning.step import StepContext
 
 
@@ -19,10 +20,27 @@ class OPDHead(Head):
 
     Samples whose teacher positions do not map onto the same tokens are left out (0) with a
     warning, never computed on misaligned tokens.
+
+    Args:
+        weight, name, schedule: as every head's.
+        gap_clip: clamp `teacher − old` to `[-gap_clip, gap_clip]` (OpenClaw-RL's top-k OPD uses
+            1.0); None (default): the plain gap, as OpenClaw-RL's combine.
     """
 
     default_name = "opd"
     requires = frozenset({"teacher_logprobs"})
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        gap_clip: float | None = None,
+        name: str | None = None,
+        schedule: Schedule | None = None,
+    ):
+        super().__init__(name=name, weight=weight, schedule=schedule)
+        if gap_clip is not None and not gap_clip > 0:
+            raise ValueError(f"{self.name}: gap_clip must be > 0 or None, got {gap_clip}")
+        self.gap_clip = gap_clip
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         aligned = ctx.teacher_aligned  # [B]
@@ -34,7 +52,9 @@ class OPDHead(Head):
                 stacklevel=2,
             )
         active = batch.response_mask & (batch.has_teacher & aligned).unsqueeze(1)  # [B, T]
-        advantages = opd_advantages(ctx.teacher_logprobs, ctx.old_logprobs, active)
+        advantages = opd_advantages(
+            ctx.teacher_logprobs, ctx.old_logprobs, active, gap_clip=self.gap_clip
+        )
         return HeadOutput(
             advantages=advantages.detach(),
             active_mask=active,

@@ -93,6 +93,17 @@ def test_opd_on_and_off_mask():
     assert torch.equal(opd_advantages(teacher.detach(), old, mask.double()), adv.detach())
 
 
+def test_opd_gap_clip_clamps_both_signs_on_the_mask_only():
+    teacher = torch.tensor([[-30.0, -0.2, -1.0, 5.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.0, -0.5, -4.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    adv = opd_advantages(teacher, old, mask, gap_clip=1.0)
+    assert adv.tolist() == [[-1.0, -0.2 - -0.5, 1.0, 0.0]]
+    assert opd_advantages(teacher, old, mask).tolist() == [[-29.0, -0.2 - -0.5, 3.0, 0.0]]
+    with pytest.raises(ValueError, match="gap_clip must be > 0 or None, got 0"):
+        opd_advantages(teacher, old, mask, gap_clip=0)
+
+
 def test_opd_shape_error():
     with pytest.raises(
         ValueError,
