@@ -62,6 +62,12 @@ class RolloutBatch:
         teacher_positions: `[B, T]` long, teacher position of each student response token, -1
             elsewhere.
         sdpo_mask: `[B, T]` bool, response tokens the SDPO head supervises.
+        candidate_input_ids: `[B, C, T'']` each candidate hint's teacher context ⊕ the same
+            response, shortest hint first (top-k OPD's hint selection); a sample with fewer
+            candidates repeats its first context in the missing ones. None: no candidates.
+        candidate_attention_mask: `[B, C, T'']`.
+        candidate_positions: `[B, C, T]` long, as `teacher_positions`, per candidate.
+        has_candidate: `[B, C]` bool, the sample has candidate c.
         dpo_pairs: optional replay pairs recorded by the rollout side.
         index: the prompt batch (stream position) it was made from, or None.
         metrics: the rollout side's metrics of this batch, each with its reduction over ranks;
@@ -86,6 +92,10 @@ class RolloutBatch:
     teacher_attention_mask: Tensor | None = None
     teacher_positions: Tensor | None = None
     sdpo_mask: Tensor | None = None
+    candidate_input_ids: Tensor | None = None
+    candidate_attention_mask: Tensor | None = None
+    candidate_positions: Tensor | None = None
+    has_candidate: Tensor | None = None
     dpo_pairs: DPOPairs | None = None
     index: int | None = None
     metrics: StepMetrics | None = None
@@ -155,6 +165,19 @@ class RolloutBatch:
             and bool(self.has_teacher.any())
         ):
             raise ValueError("RolloutBatch.has_teacher marks samples but teacher_input_ids is None")
+        if self.candidate_input_ids is not None:
+            C = self.candidate_input_ids.shape[1] if self.candidate_input_ids.dim() == 3 else -1
+            expect = {
+                "candidate_input_ids": (B, C, self.candidate_input_ids.shape[-1]),
+                "candidate_attention_mask": (B, C, self.candidate_input_ids.shape[-1]),
+                "candidate_positions": (B, C, T),
+                "has_candidate": (B, C),
+            }
+            for name, shape in expect.items():
+                t = getattr(self, name)
+                if C < 0 or t is None or tuple(t.shape) != shape:
+                    got = None if t is None else tuple(t.shape)
+                    raise ValueError(f"RolloutBatch.{name} has shape {got}; expected {shape}")
         if self.max_response_length <= 0:
             raise ValueError(f"max_response_length must be > 0, got {self.max_response_length}")
 

@@ -19,7 +19,7 @@ tool trace) needs a template: one ValueError naming the tokenizer, as TRL's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 Message = dict[str, Any]
@@ -178,6 +178,8 @@ class TraceSample:
             tokens, −1 elsewhere (all −1 without teacher).
         sdpo_mask: response tokens after the hint (the recovery); all False without teacher.
         error_turn: index of the first message with a `tool_error`, or None.
+        candidates: `(teacher_ids, teacher_positions)` of each candidate hint, shortest hint
+            first (top-k OPD's hint selection); empty without candidates.
     """
 
     student_ids: list[int]
@@ -186,6 +188,7 @@ class TraceSample:
     teacher_positions: list[int]
     sdpo_mask: list[bool]
     error_turn: int | None
+    candidates: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
     @property
     def has_teacher(self) -> bool:

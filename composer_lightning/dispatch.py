@@ -25,7 +25,7 @@ from composer_lightning.datamodules.packing import pack_samples
 from composer_lightning.distributed import StepMetrics
 from composer_lightning.engines.base import Completion
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
-from composer_lightning.tasks.calls import BadValue, as_hint, as_reward
+from composer_lightning.tasks.calls import BadValue, as_hint, as_reward, hint_candidates
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +124,33 @@ def rollout_sample(
     problem: dict[str, Any],
     prompt: list[int],
     c: Completion,
-    hint: str | None,
+    hint: str | list[str] | None,
     hint_role: str,
 ) -> TraceSample:
-    """One single-turn rollout as a tokenised sample, hinted teacher context included."""
+    """One single-turn rollout as a tokenised sample, hinted teacher context included: the
+    (first) hint's, and with a hint every candidate's, shortest hint first."""
     ids = list(prompt) + list(c.token_ids)
     response = [False] * len(prompt) + [True] * len(c.token_ids)
-    if hint is None:
+    hints = hint_candidates(hint)
+    if not hints:
         return TraceSample(ids, response, None, [-1] * len(ids), [False] * len(ids), None)
-    teacher = single_turn_teacher(
-        tokenizer, problem_messages(problem), c.token_ids, hint, hint_role
-    )
+    messages = problem_messages(problem)
+    contexts = {
+        h: single_turn_teacher(tokenizer, messages, c.token_ids, h, hint_role) for h in hints
+    }
+    by_length = sorted(hints, key=lambda h: len(contexts[h].teacher_ids))  # stable: ties in order
+    teacher = contexts[hints[0]]
     return TraceSample(
-        ids, response, teacher.teacher_ids, teacher.positions(len(prompt), len(ids)), response, None
+        ids,
+        response,
+        teacher.teacher_ids,
+        teacher.positions(len(prompt), len(ids)),
+        response,
+        None,
+        [
+            (contexts[h].teacher_ids, contexts[h].positions(len(prompt), len(ids)))
+            for h in by_length
+        ],
     )
 
 
@@ -207,8 +221,9 @@ def build_rollout(
             "prompt": problem_messages(flat_problems[k])[-1]["content"],
             "completion": texts[k],
             "reward": scores[k],
-            "hint": hints[k],
+            "hint": (hint_candidates(hints[k]) or [None])[0],
         }
+        | ({"hint_candidates": hints[k]} if len(hint_candidates(hints[k])) > 1 else {})
         for k in range(0, len(flat), group_size)
     ][:samples_per_step]
     for kind, count in (("score", failures), ("hint", hint_failures)):

@@ -34,6 +34,7 @@ from composer_lightning.functional.align import teacher_alignment
 from composer_lightning.microbatch import Plan
 from composer_lightning.models.sharding import full_weight
 from composer_lightning.step import RolloutTargets, StepContext
+from composer_lightning.topk_targets import TopKTargets, agreed_candidates, topk_targets
 
 #: fp32 elements of one chunk's logits (64 MiB): tokens per chunk = this // V.
 CHUNK_ELEMENTS = 2**24
@@ -174,6 +175,7 @@ class Forwards:
         temperature: the sampling temperature (log-probs of `logits / temperature`).
         chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
         entropy: the policy forward computes entropies (an entropy bonus reads them).
+        topk: k of the top-k values heads read (`teacher_topk`: top-k OPD); 0: none.
     """
 
     policy: nn.Module
@@ -182,6 +184,7 @@ class Forwards:
     temperature: float
     chunk_size: int | None
     entropy: bool = False
+    topk: int = 0
 
 
 _TEACHER = frozenset({"teacher_logprobs", "teacher_hidden", "teacher_logits"})
@@ -223,8 +226,11 @@ def rollout_targets(
     if splits is None:
         splits = [torch.arange(B, device=rb.input_ids.device)]
     parts: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    topk: list[tuple[Tensor, TopKTargets]] = []
     head_weight = None
     want_teacher, want_hidden = bool(needs & _TEACHER), bool(needs & _TEACHER_HIDDEN)
+    want_topk = "teacher_topk" in needs and f.topk > 0
+    candidates = agreed_candidates(rb) if want_topk else 0
     scored = [("old_logprobs", policy)] if old else []
     scored += [("ref_logprobs", reference)] if "ref_logprobs" in needs else []
     for n, idx in enumerate(splits):
@@ -249,6 +255,22 @@ def rollout_targets(
             parts.setdefault("teacher_aligned", []).append((idx, values["aligned"]))
             if want_hidden:
                 parts.setdefault("teacher_hidden", []).append((idx, values["hidden"]))
+        if want_topk:
+            topk.append(
+                (
+                    idx,
+                    topk_targets(
+                        policy,
+                        teacher,
+                        mb,
+                        f.topk,
+                        candidates,
+                        temperature,
+                        chunk_tokens(vocab_size(policy), chunk_size),
+                        plan,
+                    ),
+                )
+            )
     head = None
     if want_hidden and (teacher is not None or snapshot_teacher_head):
         head = head_weight.detach().clone() if teacher is None else head_weight
@@ -256,7 +278,15 @@ def rollout_targets(
         **{k: _assemble(v, B) for k, v in parts.items()},
         teacher_lm_head_weight=head,
         behavior_logprobs=behavior_logprobs,
+        teacher_topk=None
+        if not topk
+        else TopKTargets(*(_assemble([(i, t[j]) for i, t in topk], B) for j in range(7))),
     )
+
+
+def vocab_size(model: nn.Module) -> int:
+    """The vocabulary size of a causal LM's LM head."""
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
 def by_piece(
@@ -382,7 +412,13 @@ def step_context(
         provided["entropy"] = scores.entropy
     if want_hidden:
         provided["hidden"], provided["lm_head_weight"] = scores.hidden, scores.lm_head_weight
-    for key in ("ref_logprobs", "teacher_logprobs", "teacher_aligned", "teacher_hidden"):
+    for key in (
+        "ref_logprobs",
+        "teacher_logprobs",
+        "teacher_aligned",
+        "teacher_hidden",
+        "teacher_topk",
+    ):
         if getattr(targets, key) is not None:
             provided[key] = getattr(targets, key)
     if targets.teacher_hidden is not None:

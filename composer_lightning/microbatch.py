@@ -102,6 +102,12 @@ def trimmed(mb: RolloutBatch) -> RolloutBatch:
         v = getattr(mb, f.name)
         if not isinstance(v, Tensor) or v.dim() < 2:
             continue
+        if f.name.startswith("candidate_"):  # [B, C, ...]: positions cut like the student's
+            if f.name == "candidate_positions":
+                cut[f.name] = v[:, :, :width]
+            continue
+        if f.name == "has_candidate":
+            continue
         if f.name.startswith("teacher_") and f.name != "teacher_positions":
             cut[f.name] = v[:, :tw]
         elif v.shape[1] == mb.input_ids.shape[1]:

@@ -259,6 +259,7 @@ class ComposerModule(L.LightningModule):
             self.temperature,
             self.chunk_size,
             entropy=self.objective.entropy_coef > 0,
+            topk=self.objective.topk(),
         )
 
     def rollout_targets(

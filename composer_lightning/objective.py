@@ -100,6 +100,10 @@ class Objective:
         top-k OPD); if none does, the rollout side asks no hint provider for hints."""
         return any(h.weight > 0 and h.requires & TEACHER_SIGNALS for h in self.heads)
 
+    def topk(self) -> int:
+        """The largest top-k any head with a non-zero configured weight reads (0: none)."""
+        return max((h.topk for h in self.heads if h.weight > 0), default=0)
+
     def requirements_over(self, step: int, updates: int) -> set[str]:
         """What the heads read over the `updates` optimizer steps starting at `step`."""
         return set().union(*(self.requirements(self.weights(step + k)) for k in range(updates)))

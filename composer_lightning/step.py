@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from composer_lightning.functional import masked_aggregate, sequence_logprobs
+from composer_lightning.topk_targets import TopKTargets
 
 _MISSING = object()
 
@@ -40,6 +41,8 @@ class RolloutTargets:
             (unchanged since the teacher forward: a single update).
         behavior_logprobs: `[B, T]` log-probs of the policy that sampled the batch when it is
             an older version than the trainer's (overlapped generation); None on policy.
+        teacher_topk: the top-k values of π_old and of each candidate hint's teacher (top-k
+            OPD), or None.
     """
 
     old_logprobs: Tensor | None = None
@@ -49,17 +52,17 @@ class RolloutTargets:
     teacher_hidden: Tensor | None = None
     teacher_lm_head_weight: Tensor | None = None
     behavior_logprobs: Tensor | None = None
+    teacher_topk: TopKTargets | None = None
 
     def select(self, index: Tensor) -> RolloutTargets:
         """The rows `index` of every per-sample tensor (the LM head weight is shared)."""
-        return replace(
-            self,
-            **{
-                f.name: getattr(self, f.name)[index]
-                for f in fields(self)
-                if f.name != "teacher_lm_head_weight" and getattr(self, f.name) is not None
-            },
-        )
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "teacher_lm_head_weight" or value is None:
+                continue
+            picked[f.name] = value.select(index) if f.name == "teacher_topk" else value[index]
+        return replace(self, **picked)
 
 
 @dataclass
@@ -156,6 +159,11 @@ class StepContext:
         if "teacher_logits" in self._provided:
             return self._get("teacher_logits")
         return self.teacher_hidden @ self.teacher_lm_head_weight.T
+
+    @property
+    def teacher_topk(self) -> TopKTargets:
+        """The top-k values of π_old and of each candidate hint's teacher (no grad)."""
+        return self._get("teacher_topk")
 
     @property
     def ref_logprobs(self) -> Tensor:

@@ -23,6 +23,7 @@ def pack_samples(
     T = max(len(s.student_ids) for s in samples)
     teacher_rows = [s.teacher_ids if s.teacher_ids is not None else [pad_id] for s in samples]
     return RolloutBatch(
+        **_candidates(samples, teacher_rows, pad_id, T),
         input_ids=pad_rows([s.student_ids for s in samples], pad_id),
         attention_mask=pad_rows([[1] * len(s.student_ids) for s in samples]),
         response_mask=pad_rows([s.response_mask for s in samples], False, torch.bool),
@@ -39,3 +40,27 @@ def pack_samples(
         teacher_positions=pad_rows([s.teacher_positions for s in samples], -1, width=T),
         sdpo_mask=pad_rows([s.sdpo_mask for s in samples], False, torch.bool),
     )
+
+
+def _candidates(
+    samples: list[TraceSample], teacher_rows: list[list[int]], pad_id: int, T: int
+) -> dict[str, torch.Tensor]:
+    """The candidate fields (`[B, C, ...]`) when some sample has candidates, else none; a
+    missing candidate repeats the sample's teacher row (never a fully masked row)."""
+    C = max(len(s.candidates) for s in samples)
+    if C == 0:
+        return {}
+    rows, positions = [], []
+    for s, fallback in zip(samples, teacher_rows, strict=True):
+        for c in range(C):
+            ids, pos = s.candidates[c] if c < len(s.candidates) else (fallback, [-1] * T)
+            rows.append(ids)
+            positions.append(pos)
+    ids = pad_rows(rows, pad_id)
+    B = len(samples)
+    return {
+        "candidate_input_ids": ids.view(B, C, -1),
+        "candidate_attention_mask": pad_rows([[1] * len(r) for r in rows]).view(B, C, -1),
+        "candidate_positions": pad_rows(positions, -1, width=T).view(B, C, T),
+        "has_candidate": torch.tensor([[c < len(s.candidates) for c in range(C)] for s in samples]),
+    }

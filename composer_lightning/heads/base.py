@@ -85,6 +85,8 @@ class Head(ABC):
 
     default_name: ClassVar[str] = "head"
     requires: ClassVar[frozenset[str]] = frozenset()
+    #: k of the top-k values a head that requires `teacher_topk` reads (top-k OPD).
+    topk: int = 0
 
     def __init__(
         self, name: str | None = None, weight: float = 1.0, schedule: Schedule | None = None

@@ -18,6 +18,7 @@ _BUILTINS = {
     "dr_grpo": "composer_lightning.heads.dr_grpo:DrGRPOHead",
     "opd": "composer_lightning.heads.opd:OPDHead",
     "sdpo": "composer_lightning.heads.sdpo:SDPOHead",
+    "topk_opd": "composer_lightning.heads.topk_opd:TopKOPDHead",
     "replay_dpo": "composer_lightning.heads.replay_dpo:ReplayDPOHead",
     "kl": "composer_lightning.heads.kl:KLHead",
 }

@@ -34,22 +34,29 @@ def _digit_name(i: int, n: int) -> str:
     return f"digit {i + 1} (from the left)"
 
 
-def number_hint(answer: int, guess: int | None) -> str:
+def wrong_digit(answer: int, guess: int | None) -> int:
+    """The rightmost digit of `answer` that `guess` got wrong, digits right-aligned (the first
+    digit when only the length or sign is wrong; the last digit when nothing was guessed)."""
+    digits = str(abs(answer))
+    n = len(digits)
+    if guess is None:
+        return n - 1
+    g = str(abs(guess)).zfill(n)[-n:]  # right-aligned, as digits are added
+    wrong = [i for i in range(n) if g[i] != digits[i]]
+    return wrong[-1] if wrong else 0  # only the length (or sign) is wrong: the first digit
+
+
+def number_hint(answer: int, guess: int | None, digit: int | None = None) -> str:
     """Error-derived hint for a wrong integer `guess` of `answer`.
 
-    States the sign (when negative), the digit count, and the value of the rightmost digit the
-    guess got wrong, digits right-aligned (the first digit when only the length or sign is
-    wrong; the last digit when nothing was guessed).
+    States the sign (when negative), the digit count, and the value of one digit: `digit`
+    (0 = leftmost), by default the rightmost digit the guess got wrong (`wrong_digit`).
     """
     digits = str(abs(answer))
     n = len(digits)
     parts = ["The answer is negative"] if answer < 0 else []
     parts.append(f"the answer has {n} digit{'s' if n > 1 else ''}")
-    idx = n - 1
-    if guess is not None:
-        g = str(abs(guess)).zfill(n)[-n:]  # right-aligned, as digits are added
-        wrong = [i for i in range(n) if g[i] != digits[i]]
-        idx = wrong[-1] if wrong else 0  # only the length (or sign) is wrong: the first digit
+    idx = wrong_digit(answer, guess) if digit is None else digit
     parts.append(f"{_digit_name(idx, n)} is {digits[idx]}")
     text = "; ".join(parts) + "."
     text = text[0].upper() + text[1:]
@@ -133,3 +140,13 @@ class Arithmetic(Task):
         if guess == answer:
             return Verdict(1.0, None)
         return Verdict(0.0, number_hint(answer, guess))
+
+    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
+        """The verifier's hint, then the same hint naming each other digit, rightmost first."""
+        answer = int(problem["answer"])
+        guess = first_integer(completion)
+        if guess == answer:
+            return []
+        first = wrong_digit(answer, guess)
+        others = [i for i in reversed(range(len(str(abs(answer))))) if i != first]
+        return [number_hint(answer, guess, d) for d in [first, *others]][:n]

@@ -69,6 +69,13 @@ class Task(ABC):
     def verify(self, problem: Problem, completion: str) -> Verdict:
         """Score `completion` (decoded response text) against `problem`."""
 
+    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
+        """Up to `n` candidate hints for a wrong `completion`, the verifier's own hint first
+        ([] when it is right); top-k OPD selects among them. By default the verifier's hint
+        alone; a task overrides this to offer other true statements about the answer."""
+        hint = self.verify(problem, completion).hint
+        return [] if hint is None else [hint]
+
     def samples(self, n: int, seed: int = 0) -> list[Problem]:
         """`n` problems from a fresh `random.Random(seed)`."""
         rng = random.Random(seed)
@@ -212,12 +219,45 @@ class VerifierHint(_VerifierBase, HintProvider):
         task: the task (instance, short name or class path); None looks up `problem["task"]`.
         timeout: seconds one `verify` call may take before its sample gets no hint; None: no
             limit (see `VerifierScore`).
+        candidates: up to this many candidate hints per wrong sample (`Task.hint_candidates`,
+            the verifier's hint first), for top-k OPD's hint selection; 1: the hint alone.
     """
 
     _consequence = "it gets no hint"
 
+    def __init__(
+        self,
+        task: Task | str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        candidates: int = 1,
+    ):
+        super().__init__(task, timeout)
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(
+                f"VerifierHint: candidates must be an integer >= 1, got {candidates!r}"
+            )
+        self.candidates = candidates
+
+    def _candidates(self, problem: Problem, completion: str) -> list[str]:
+        return self._task_for(problem).hint_candidates(problem, completion, self.candidates)[
+            : self.candidates
+        ]
+
     def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
-        return [None if v is None else v.hint for v in self._verdicts(problems, completions)]
+        if self.candidates == 1:
+            return [None if v is None else v.hint for v in self._verdicts(problems, completions)]
+        _check_lengths(problems, completions)
+        values, failures = call_each(
+            self._candidates,
+            problems,
+            completions,
+            self.timeout,
+            "verifier",
+            self._consequence,
+            as_hint,
+        )
+        self.failures += failures
+        return values
 
 
 class FunctionHint(HintProvider):

@@ -123,11 +123,23 @@ def as_reward(value: Any) -> float:
     return value
 
 
-def as_hint(value: Any) -> str | None:
-    """A hint function's value: a string or None; `BadValue` saying what it got otherwise."""
+def as_hint(value: Any) -> str | list[str] | None:
+    """A hint function's value: a string, a list of candidate hints (strings; the first is the
+    hint, all are candidates for top-k OPD's hint selection; an empty list is None) or None;
+    `BadValue` saying what it got otherwise."""
     if value is None or isinstance(value, str):
         return value
-    raise BadValue(f"{type(value).__name__} {value!r}", "a string or None")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value) or None
+    raise BadValue(f"{type(value).__name__} {value!r}", "a string, a list of strings or None")
+
+
+def hint_candidates(value: str | list[str] | None) -> list[str]:
+    """A hint value as its candidates: [] for None, [hint] for one hint (duplicates dropped,
+    the first kept)."""
+    if value is None:
+        return []
+    return list(dict.fromkeys([value] if isinstance(value, str) else value))
 
 
 def call_each(

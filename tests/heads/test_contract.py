@@ -28,7 +28,7 @@ def ctx_and_batch():
     batch = synthetic_batch(
         torch.Generator().manual_seed(0), prompts=3, group_size=4, vocab_size=64
     )
-    module = ComposerModule(tiny_model(), [registry.load("kl")()])
+    module = ComposerModule(tiny_model(), [registry.load("kl")(), registry.load("topk_opd")()])
     ctx = context(module, batch, set(REQUIREMENTS))
     return ctx, batch
 

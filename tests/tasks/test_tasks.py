@@ -197,3 +197,25 @@ def test_prompt_file_missing_a_verifier_field_is_one_error_naming_file_and_line(
 def test_verdict_rejects_out_of_range_reward() -> None:
     with pytest.raises(ValueError):
         Verdict(1.5)
+
+
+def test_hint_candidates_the_verifier_hint_first_then_the_other_digits() -> None:
+    from composer_lightning.tasks import VerifierHint
+    from composer_lightning.tasks.calls import as_hint, hint_candidates
+
+    task = Arithmetic(max_value=999)
+    p = task.make(517, "+", 38)  # 555
+    assert task.hint_candidates(p, "545", 3) == [
+        "The answer has 3 digits; digit 2 (from the left) is 5.",
+        "The answer has 3 digits; the last digit is 5.",
+        "The answer has 3 digits; the first digit is 5.",
+    ]
+    assert task.hint_candidates(p, "555", 3) == []
+    assert task.hint_candidates(p, "545", 1) == [task.verify(p, "545").hint]
+    hints = VerifierHint(task, candidates=2).hints([p, p], ["545", "555"])
+    assert hints == [task.hint_candidates(p, "545", 2), None]
+    assert VerifierHint(task).hints([p], ["545"]) == [task.verify(p, "545").hint]
+    assert as_hint([]) is None and as_hint(("a", "b")) == ["a", "b"]
+    assert hint_candidates(["a", "b", "a"]) == ["a", "b"] and hint_candidates("a") == ["a"]
+    with pytest.raises(ValueError, match="candidates must be an integer >= 1, got 0"):
+        VerifierHint(candidates=0)
