@@ -105,3 +105,47 @@ def test_masked_truncated_completions_keep_their_reward_but_no_loss_token():
     assert torch.equal(masked.response_mask[0], plain.response_mask[0])
     assert masked.has_reward.tolist() == [True, True]
     assert masked.rewards.tolist() == plain.rewards.tolist() == [1.0, 0.0]
+
+
+class _Candidates(HintProvider):
+    def hints(self, problems, completions):
+        return [["a much longer first hint", "short"], "only one", None][: len(problems)]
+
+
+def test_candidate_hints_become_teacher_contexts_shortest_first_and_the_first_is_the_hint():
+    from composer_lightning.chat import single_turn_teacher
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy_path())
+    problems = [
+        {"messages": [{"role": "user", "content": f"{i}+1="}], "task": "arithmetic", "answer": 9}
+        for i in range(3)
+    ]
+    batch = {
+        "index": 0,
+        "problems": problems,
+        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
+    }
+    response = tokenizer.encode("7")
+    outs = [[Completion(response, [-0.5], "stop")] for _ in problems]
+    rb, metrics, rows = build_rollout(
+        batch, outs, tokenizer, 4, VerifierScore(), _Candidates(), "user", 1, 3
+    )
+    assert rb.has_candidate.tolist() == [[True, True], [True, False], [False, False]]
+    assert rb.has_teacher.tolist() == [True, True, False]
+
+    def context(i, hint):
+        ids = single_turn_teacher(tokenizer, problems[i]["messages"], response, hint).teacher_ids
+        return ids
+
+    def row(c, i):
+        n = int(rb.candidate_attention_mask[i, c].sum())
+        return rb.candidate_input_ids[i, c, :n].tolist()
+
+    assert row(0, 0) == context(0, "short") and row(1, 0) == context(0, "a much longer first hint")
+    n0 = int(rb.teacher_attention_mask[0].sum())
+    assert rb.teacher_input_ids[0, :n0].tolist() == context(0, "a much longer first hint")
+    assert row(0, 1) == context(1, "only one")
+    assert rb.candidate_positions[1, 1].eq(-1).all()  # the missing candidate maps nothing
+    assert [r["hint"] for r in rows] == ["a much longer first hint", "only one", None]
+    assert rows[0]["hint_candidates"] == ["a much longer first hint", "short"]
+    assert "hint_candidates" not in rows[1]
