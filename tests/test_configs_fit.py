@@ -190,7 +190,8 @@ def test_held_out_validation_during_fit_and_validate_from_a_checkpoint(tmp_path)
     for tag in ("val/accuracy", "val/pass@4", "val/reward_mean", "val/response_length"):
         assert len(s[tag]) == 2, tag  # after rollout batches 2 and 4
     assert all(0 <= v <= 1 for v in s["val/accuracy"] + s["val/pass@4"])
-    assert "val/accuracy" in fit.stdout  # the progress line shows the latest figure
+    # each evaluation's figures, labelled with the step they were measured at
+    assert "val@2 accuracy" in fit.stdout and "val@4 accuracy" in fit.stdout
     (last,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
     out = run_cli("validate", "--config", config, f"--ckpt_path={last}", *common)
     assert out.returncode == 0, out.stderr[-3000:]

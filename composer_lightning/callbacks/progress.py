@@ -2,8 +2,10 @@
 
 Lightning's bars count batches of an epoch ("Epoch 0/-2" for an endless prompt stream) and show
 `v_num`. This one shows `step / max_steps`, the rollout reward, seconds per step and the latest
-validation figures (`val/...`). When stdout is not a terminal (a log file, a cluster job) it
-prints one plain line every `every_n_steps` steps instead of redrawing a bar.
+validation figures (`val/...`) with the step they were measured at (`val@20`): the step line
+is drawn before that step's evaluation runs. When stdout is not a terminal (a log file, a
+cluster job) it prints one plain line every `every_n_steps` steps instead of redrawing a bar,
+and one line with each evaluation's figures when it ends.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class StepProgress(ProgressBar):
         self._enabled = True
         self._bar: Any = None
         self._val: dict[str, float] = {}
+        self._val_step: int | None = None
 
     def disable(self) -> None:
         self._enabled = False
@@ -48,11 +51,26 @@ class StepProgress(ProgressBar):
     def _figures(self, trainer: L.Trainer) -> str:
         metrics = trainer.progress_bar_metrics
         parts = [f"{label} {float(metrics[key]):.3g}" for key, label in SHOWN if key in metrics]
-        self._val.update(
-            {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        return "  ".join(parts + ([self._val_figures()] if self._val else []))
+
+    def _val_figures(self) -> str:
+        return f"val@{self._val_step} " + "  ".join(
+            f"{k.removeprefix('val/')} {v:.3g}" for k, v in sorted(self._val.items())
         )
-        parts += [f"{k} {v:.3g}" for k, v in sorted(self._val.items())]
-        return "  ".join(parts)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        self._val = {
+            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")
+        }
+        self._val_step = trainer.global_step
+        if not self.is_enabled or not self._val:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._figures(trainer), refresh=True)
+        else:
+            print(self._val_figures(), flush=True)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.is_enabled or not sys.stdout.isatty():
