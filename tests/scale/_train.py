@@ -6,8 +6,8 @@
 are compared); the rollout kinds keep the module's defaults: clipping at `max_grad_norm=1.0`
 and the canary at `max_logprob_gap="auto"`. `fsdp2_uneven`: rank 1 gets a constant reward on
 every other sample, no score on the rest, and no hints (fewer samples than rank 0, an empty
-replay buffer, no SDPO or OPD term, a placeholder teacher forward) while rank 0 gets the
-verifier's. `fsdp2_raise`: rank 1's reward function raises from the second step on, and
+replay buffer, no SDPO or OPD term, a placeholder teacher forward, placeholder forwards for
+top-k OPD's candidates) while rank 0 gets the verifier's, two candidate hints each. `fsdp2_raise`: rank 1's reward function raises from the second step on, and
 collectives time out after 120 s instead of 30 minutes, so a rank left waiting fails by itself.
 `fsdp2_micro`: `fsdp2` in micro-batches, rank 0 under a 60-token budget and rank 1 under 20
 (more forwards: rank 0 runs placeholders); both count the collectives that reduce gradients.
@@ -38,6 +38,7 @@ from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
+from composer_lightning.heads.topk_opd import TopKOPDHead
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.module import ComposerModule
@@ -81,6 +82,7 @@ heads = [
     SDPOHead(weight=0.1),
     KLHead(kl_coef=0.01),
     ReplayDPOHead(weight=0.1, pairs_per_step=2, reference="model"),
+    TopKOPDHead(weight=0.5),  # rollout kinds: two candidate hints (rank 1 of uneven: none)
 ]
 kls: list[dict[str, float]] = []
 
@@ -115,7 +117,7 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
             group_size=4 if uneven else 2,
             sampling=SamplingConfig(max_tokens=6, seed=0),
             score=FunctionScore(reward) if uneven else None,
-            hint=RankHint() if uneven else VerifierHint(),
+            hint=RankHint(candidates=2) if uneven else VerifierHint(candidates=2),
         )
     ]
 
