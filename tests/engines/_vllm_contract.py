@@ -30,7 +30,7 @@ def main(model_dir: str, out_path: str) -> None:
     t0 = time.perf_counter()
     engine = VLLMEngine(model_dir, dtype="float32", seed=0)
     results["timing"]["engine_start_s"] = time.perf_counter() - t0
-    for name, check in contract.CHECKS.items():
+    for name, check in {**contract.CHECKS, **contract.VLLM_CHECKS}.items():
         t0 = time.perf_counter()
         try:
             info = check(engine, policy)

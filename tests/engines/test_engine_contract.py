@@ -22,16 +22,11 @@ from tests.engines import engine_contract as contract
 HERE = Path(__file__).parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 CASES = [*contract.CHECKS, "host_state"]
-ENGINES = [
-    "hf",
-    pytest.param(
-        "vllm",
-        marks=[
-            pytest.mark.vllm,
-            pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed (pip install -e .[cpu])"),
-        ],
-    ),
+NEEDS_VLLM = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed (pip install -e .[cpu])"),
 ]
+ENGINES = ["hf", pytest.param("vllm", marks=NEEDS_VLLM)]
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +70,24 @@ def test_contract(engine_name, case, request, tiny_policy, tiny_llama_dir):
         return
     engine = request.getfixturevalue("hf_engine")
     print(json.dumps(contract.CHECKS[case](engine, tiny_policy)))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NEEDS_VLLM) for c in contract.VLLM_CHECKS])
+def test_vllm_scheduling(case, request):
+    result = request.getfixturevalue("vllm_results")[case]
+    print(json.dumps(result.get("info", {})))
+    assert result["ok"], result["error"]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed (pip install -e .[cpu])")
+def test_vllm_refuses_chunked_prefill_on_cpu(tiny_llama_dir):
+    """Refused before vLLM is imported: seeded sampling with it fails on CPU (engines/vllm.py)."""
+    from composer_lightning.engines import EngineContext, VLLMEngine
+
+    engine = VLLMEngine(tiny_llama_dir, llm_kwargs={"enable_chunked_prefill": True})
+    with pytest.raises(ValueError, match="enable_chunked_prefill=True fails on CPU"):
+        engine.start(EngineContext(device="cpu"))
+    assert engine.llm is None
 
 
 def test_hf_engine_owns_its_weights(tiny_policy):
