@@ -58,6 +58,7 @@ def server(tmp_path_factory):
         str(port),
         "--dtype",
         "float32",
+        "--no-enable-chunked-prefill",  # seeded requests on CPU (engines/vllm.py)
         "--enforce-eager",
         "--max-model-len",
         "256",
