@@ -1,12 +1,21 @@
-"""Mixing advantage terms: per-term statistics and variance matching (DESIGN.md "Heads").
+"""Mixing heads: per-term statistics, variance matching and gradient-norm matching.
 
-Variance matching rescales each advantage term by σ(reference term) / σ(term), σ measured over
-the term's active tokens of the minibatch, detached; a term with σ = 0 (or a reference with
-σ = 0) keeps its weight.
+Variance matching (DESIGN.md "Heads") rescales each advantage term by σ(reference term) /
+σ(term), σ measured over the term's active tokens of the minibatch, detached; a term with σ = 0
+(or a reference with σ = 0) keeps its weight.
+
+Gradient-norm matching rescales every head, advantage and loss heads alike, by ‖g_ref‖ / ‖g_h‖,
+the norms of their gradients at the policy's final hidden states on the minibatch
+(`functional/gradients.py`), detached. Variance matching equalises the spread of the advantage
+terms, which says nothing of a loss head (SDPO's JSD, DPO) nor of how strongly a term moves the
+policy; the gradient norm is the one scale every head has in common (GradNorm's, Chen et al.
+2018). Since a head's piece of the loss is positively homogeneous in its weight, after the
+rescaling every head with a non-zero gradient pulls with the reference's norm.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -41,3 +50,12 @@ def variance_scales(terms: list[AdvantageTerm], reference: str | None) -> dict[s
         if s > 0 and ref > 0:
             scales[name] = ref / s
     return scales
+
+
+def grad_norm_scales(sq_norms: dict[str, float], reference: str) -> dict[str, float]:
+    """Per-head multipliers ‖g_ref‖ / ‖g_h‖ from the squared gradient norms (`gradients.py`);
+    a head with ‖g_h‖ = 0 (or a reference with 0, or one that is off) keeps its weight."""
+    ref = sq_norms.get(reference, 0.0)
+    return {
+        name: math.sqrt(ref / sq) if sq > 0 and ref > 0 else 1.0 for name, sq in sq_norms.items()
+    }
