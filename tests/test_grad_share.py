@@ -74,6 +74,16 @@ def _surrogate(ctx: StepContext, adv, mask, lo=0.2, hi=0.28):
     return torch.where(mask, per, 0.0).sum() / (mask.shape[0] * ctx.norm_length)
 
 
+def _flat(grads, at) -> torch.Tensor:
+    """One gradient over several disjoint tensors: the concatenation (None: zeros)."""
+    return torch.cat(
+        [
+            (torch.zeros_like(a) if g is None else g).flatten()
+            for g, a in zip(grads, at, strict=True)
+        ]
+    )
+
+
 def _by_hand(module: ComposerModule, batch, weights: dict[str, float]):
     """Each head's piece formed here (`w · loss`, or the surrogate of `w · A` alone) and its
     gradient at every policy forward's final hidden states by `torch.autograd.grad`."""
@@ -89,12 +99,7 @@ def _by_hand(module: ComposerModule, batch, weights: dict[str, float]):
     grads = {}
     for name, piece in pieces.items():
         got = torch.autograd.grad(piece, at, retain_graph=True, allow_unused=True)
-        grads[name] = torch.cat(
-            [
-                (torch.zeros_like(a) if g is None else g).flatten()
-                for g, a in zip(got, at, strict=True)
-            ]
-        )
+        grads[name] = _flat(got, at)
     return grads
 
 
@@ -112,14 +117,8 @@ def test_each_heads_gradient_at_the_hidden_states_is_its_own_piece_by_autograd()
     ctx, obj = context(module, batch), module.objective
     outputs = obj.head_outputs(batch, ctx, weights)
     got = hidden_gradients(obj.pieces(batch, ctx, outputs, weights), ctx.policy_states())
-    at = ctx.policy_states()
     for name in NAMES:
-        flat = torch.cat(
-            [
-                (torch.zeros_like(a) if g is None else g).flatten()
-                for g, a in zip(got[name], at, strict=True)
-            ]
-        )
+        flat = _flat(got[name], ctx.policy_states())
         torch.testing.assert_close(flat, want[name], rtol=0, atol=1e-10, msg=name)
 
     replay()
@@ -132,18 +131,21 @@ def test_each_heads_gradient_at_the_hidden_states_is_its_own_piece_by_autograd()
     assert sum(metrics[f"{n}/grad_share"] for n in NAMES) == pytest.approx(1.0, abs=1e-12)
 
 
-def test_the_shares_decompose_the_mixed_objectives_gradient_on_policy():
-    """One update of an on-policy batch (ratio 1: no clip binds), no entropy bonus: the heads'
-    gradients sum to the gradient of the mixed objective itself, to 1e-10."""
+def test_the_pieces_decompose_the_mixed_objectives_gradient_on_policy():
+    """One update of an on-policy batch (ratio 1: no clip binds), no entropy bonus: the
+    objective's pieces' gradients sum to the gradient of the mixed objective itself, to
+    1e-10."""
     module, batch = _module(), _batch()
     weights = _ready(module, batch)
     replay = _replayed(module)
-    parts = _by_hand(module, batch, weights)
+    ctx, obj = context(module, batch), module.objective
+    pieces = obj.pieces(batch, ctx, obj.head_outputs(batch, ctx, weights), weights)
+    grads = hidden_gradients(pieces, ctx.policy_states())
+    parts = {n: _flat(g, ctx.policy_states()) for n, g in grads.items()}
     replay()
     ctx = context(module, batch)
-    loss, _ = module.objective(batch, ctx, weights)
-    at = ctx.policy_states()
-    whole = torch.cat([g.flatten() for g in torch.autograd.grad(loss, at)])
+    loss, _ = obj(batch, ctx, weights)
+    whole = _flat(torch.autograd.grad(loss, ctx.policy_states()), ctx.policy_states())
     torch.testing.assert_close(sum(parts.values()), whole, rtol=0, atol=1e-10)
 
 
