@@ -122,8 +122,9 @@ def score_tokens(
     """
     if final is None:
         states, weight = final_hidden(model, input_ids, attention_mask)
-        # a node of its own: a gradient taken at `states` (`gradients.py`) stops here, short of
-        # the model's own backward hooks (FSDP2's pre-backward unshard on its outputs)
+        # a node of its own: a gradient taken at `states` (`functional/gradients.py`) stops
+        # here, short of the model's backward hooks on its outputs (FSDP2's pre-backward ones,
+        # which, run by a measurement, break the step's backward: tests/scale/test_grad_share)
         states = states.view_as(states)
     else:
         states, weight = final
