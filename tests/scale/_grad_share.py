@@ -6,7 +6,9 @@ sharded with FSDP2; every rank saves what it measured.
 Each rank: its own synthetic batch (seed 10 + rank), Dr. GRPO + OPD + a KL loss head, float64.
 It runs the objective twice, measuring and not, and backpropagates each (the measurement must
 leave FSDP2's backward, which averages the ranks' gradients, as it was), then once with
-`grad_norm_matching="dr_grpo"`. `tests/scale/test_grad_share.py` compares with one process.
+`grad_norm_matching="dr_grpo"`, and once measuring in micro-batches of 3 rows (the states kept
+as pass 1's leaves, FSDP2's LM head stood in for by a copy: `accumulate.py`).
+`tests/scale/test_grad_share.py` compares with one process.
 """
 
 import socket
@@ -60,8 +62,27 @@ def _rank(rank: int, port: int, out: str) -> None:
             loss.backward()
             grads = {n: p.grad.full_tensor().clone() for n, p in m.policy.named_parameters()}
             saved[f"{name}_{measure}"] = {"metrics": metrics, "grads": grads}
+    saved["micro_True"] = _micro(b, mesh)
     torch.save(saved, f"{out}.rank{rank}")
     dist.destroy_process_group()
+
+
+def _micro(b, mesh) -> dict:
+    from composer_lightning import accumulate
+    from composer_lightning.microbatch import plans
+    from composer_lightning.models.sharding import shard_fsdp2
+
+    m = module(micro_batch_size=3)
+    shard_fsdp2(m.policy, mesh, "32-true")
+    weights = m.objective.weights(0)
+    needs = m.objective.requirements(weights)
+    plan = plans(b, [torch.arange(len(b.input_ids))], m.micro_batching)[0]
+    scores = accumulate.outputs(m.forwards, b, plan, needs, states=True)
+    ctx = m.step_context(b, needs, scores=scores)
+    loss, metrics = m.objective(b, ctx, weights, measure_gradients=True)
+    accumulate.backward(m.forwards, loss, scores, b, plan, needs, lambda x: x.backward())
+    grads = {n: p.grad.full_tensor().clone() for n, p in m.policy.named_parameters()}
+    return {"metrics": metrics, "grads": grads}
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ def test_two_ranks_measure_the_mean_objective_and_agree_on_the_scales(tmp_path):
     """DDP and FSDP2 average the ranks' gradients, so the step's objective is the ranks' mean:
     the Gram matrix is Σ_r G_r / 4. Both ranks log this process's norms and shares of the
     mean of their pieces, and the same matched weights, to 1e-10; the measurement leaves the
-    FSDP2 backward's (averaged) parameter gradients bit for bit as without it."""
+    FSDP2 backward's (averaged) parameter gradients bit for bit as without it; measured in
+    micro-batches, norms, shares and gradients are the unbatched ones to 1e-10."""
     out = tmp_path / "run.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
@@ -62,3 +63,8 @@ def test_two_ranks_measure_the_mean_objective_and_agree_on_the_scales(tmp_path):
             )
         measured, plain = saved["plain_True"]["grads"], saved["plain_False"]["grads"]
         assert all(torch.equal(measured[n], plain[n]) for n in plain)
+        micro = saved["micro_True"]
+        for key, value in want.items():
+            assert micro["metrics"][key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+        for n, g in plain.items():
+            torch.testing.assert_close(micro["grads"][n], g, rtol=0, atol=1e-10, msg=n)
