@@ -105,8 +105,10 @@ class ComposerModule(L.LightningModule):
         variance_matching: name of a reference advantage head; every advantage term is rescaled
             by σ(reference) / σ(term) over its active tokens (detached). None disables it.
         grad_norm_matching: name of a reference head (advantage or loss head); every head's
-            weight is multiplied by ‖g_ref‖ / ‖g_h‖, the norms of their gradients at the
-            policy's final hidden states on the minibatch (all ranks), detached; a head (or
+            weight is multiplied by ‖ĝ_ref‖ / ‖ĝ_h‖, the norms of the unweighted heads'
+            gradients at the policy's final hidden states on the minibatch (all ranks),
+            detached, so head h pulls with `w_h / w_ref` times the reference's gradient norm
+            (weights and schedules stay ratios; equal weights, equal norms); a head (or
             reference) with a zero gradient keeps its weight; logged as `<head>/weight`. Unlike
             variance matching it scales loss heads too, by how strongly each moves the policy.
             Costs one backward through the chunked LM head per head every step (and, with

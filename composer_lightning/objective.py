@@ -62,11 +62,12 @@ class Objective:
         mixing: `advantage` (one surrogate on the mixed advantage) or `loss` (one per term).
         variance_matching: name of a reference advantage head, or None.
         grad_norm_matching: name of a reference head (of either kind), or None: every head's
-            weight is multiplied by ‖g_ref‖ / ‖g_h‖, its gradient's norm at the final hidden
-            states on this minibatch (over all ranks; detached; a head or reference with a
-            zero gradient keeps its weight), measured before the loss is formed: one backward
-            through the chunked LM head per head, every step. Exclusive with
-            `variance_matching`.
+            weight is multiplied by ‖ĝ_ref‖ / ‖ĝ_h‖, the norms of the unweighted pieces'
+            gradients at the final hidden states on this minibatch (over all ranks; detached;
+            a head or reference with a zero gradient keeps its weight), so head h's gradient
+            norm is `w_h / w_ref` times the reference's (`mixer.py`); measured before the loss
+            is formed: one backward through the chunked LM head per head, every step.
+            Exclusive with `variance_matching`.
         importance_cap: for a stale batch (`ctx.behavior_logprobs` set), the surrogate's
             per-token loss is weighted by `min(exp(old − behaviour), importance_cap)`
             (truncated importance sampling, verl's `rollout_is_threshold`); None: no weights.
@@ -189,11 +190,13 @@ class Objective:
             names = list(effective)
             gram = self.gradient_gram(batch, ctx, outputs, effective)
             if self.grad_norm_matching is not None:
-                scales = grad_norm_scales(
-                    {n: float(gram[h, h]) for h, n in enumerate(names)}, self.grad_norm_matching
-                )
+                # the unweighted pieces' norms (a computed head's weight is > 0)
+                unit = {n: float(gram[h, h]) / effective[n] ** 2 for h, n in enumerate(names)}
+                scales = grad_norm_scales(unit, self.grad_norm_matching)
                 effective = {n: w * scales[n] for n, w in effective.items()}
-                gram = scaled_gram(gram, torch.tensor([scales[n] for n in names]).double())
+                gram = scaled_gram(
+                    gram, torch.tensor([scales[n] for n in names], dtype=torch.float64)
+                )
             metrics.update(gradient_shares(gram, names))
         metrics.update({f"{name}/weight": w for name, w in effective.items()})
         for name, out in outputs.items():

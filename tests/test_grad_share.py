@@ -202,9 +202,10 @@ def test_the_decomposition_is_exact_unless_a_clip_binds_under_advantage_mixing(
         assert metrics["ppo/clipfrac"] > 0 and float((parts - whole).abs().max()) > 1e-3
 
 
-def test_grad_norm_matching_gives_every_head_the_reference_norm():
-    """Matching to SDPO (a loss head): the effective weights, used by an objective without
-    matching, give every head SDPO's gradient norm (measured anew) and the same loss."""
+def test_grad_norm_matching_gives_every_head_its_weights_share_of_the_reference_norm():
+    """Matching to SDPO (a loss head, weight 0.3): the effective weights, used by an objective
+    without matching, give head h the gradient norm (measured anew) `w_h / 0.3 · ‖g_sdpo‖`, so
+    the weights stay ratios (equal weights: equal norms), and the same loss."""
     module, batch = _module(grad_norm_matching="sdpo"), _batch()
     weights = _ready(module, batch)
     replay = _replayed(module)
@@ -220,8 +221,9 @@ def test_grad_norm_matching_gives_every_head_the_reference_norm():
     again, measured = plain(batch, context(module, batch), effective, measure_gradients=True)
     ref = unmatched["sdpo/grad_norm"]
     for name in NAMES:
-        assert measured[f"{name}/grad_norm"] == pytest.approx(ref, rel=1e-10), name
-        assert metrics[f"{name}/grad_norm"] == pytest.approx(ref, rel=1e-10), name
+        want = weights[name] / weights["sdpo"] * ref
+        assert measured[f"{name}/grad_norm"] == pytest.approx(want, rel=1e-10), name
+        assert metrics[f"{name}/grad_norm"] == pytest.approx(want, rel=1e-10), name
     assert float(again.detach()) == pytest.approx(float(loss), abs=1e-12)
 
 

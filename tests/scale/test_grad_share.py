@@ -49,7 +49,8 @@ def test_two_ranks_measure_the_mean_objective_and_agree_on_the_scales(tmp_path):
     names = list(pieces)
     gram = gradient_gram(hidden_gradients(pieces, at))
     want = gradient_shares(gram, names)
-    scales = grad_norm_scales({n: float(gram[h, h]) for h, n in enumerate(names)}, "dr_grpo")
+    unit = {n: float(gram[h, h]) / weights[n] ** 2 for h, n in enumerate(names)}
+    scales = grad_norm_scales(unit, "dr_grpo")
     assert any(abs(s - 1) > 1e-3 for s in scales.values())
 
     for saved in ranks:
