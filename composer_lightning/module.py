@@ -383,6 +383,9 @@ class ComposerModule(L.LightningModule):
                 accumulate.backward(
                     self.forwards, loss, scores, mb, plan, requirements, self.manual_backward
                 )
+            # the context holds the minibatch's [B, T, H] hidden states: not into the next
+            # update's forward
+            ctx = scores = None
             if self.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(
                     self.trainable_parameters(), self.max_grad_norm

@@ -80,7 +80,7 @@ class StepContext:
         chunk_size: tokens per LM-head chunk, for heads that apply the LM head themselves.
         states: `[B, T, H]` the policy's final hidden states every per-token output above is
             computed from (grad), where each head's share of the gradient is measured
-            (`gradients.py`); None when a micro-batched step did not keep them.
+            (`functional/gradients.py`); None when a micro-batched step did not keep them.
     """
 
     global_step: int
