@@ -84,12 +84,16 @@ class TokenScores:
         hidden: `[B, T, H]` row t is the hidden state that predicts token t (row 0 zeros), or
             None.
         lm_head_weight: `[V, H]` the LM head the logits are `hidden @ lm_head_weight.T` of.
+        states: `[B, T, H]` the final hidden states all of the above are computed from (row t
+            predicts token t + 1), where a gradient taken at them reaches every output; None
+            for a micro-batched step's per-token leaves (`accumulate.py`).
     """
 
     logprobs: Tensor
     entropy: Tensor | None
     hidden: Tensor | None
     lm_head_weight: Tensor
+    states: Tensor | None = None
 
 
 def score_tokens(
@@ -102,6 +106,7 @@ def score_tokens(
     entropy: bool = False,
     hidden: bool = False,
     chunk_size: int | None = None,
+    final: tuple[Tensor, Tensor] | None = None,
 ) -> TokenScores:
     """Per-token log-probs (and entropies, hidden states) of `input_ids` under `model`.
 
@@ -113,13 +118,22 @@ def score_tokens(
             tokens; the others are 0 and cost no LM-head work. None: every token.
         entropy: also compute entropies. hidden: also return the shifted hidden states.
         chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
+        final: `([B, T, H] final hidden states, [V, H] LM head)` to score instead of running
+            `model` (a micro-batched step's states kept as leaves, `accumulate.py`).
     """
-    states, weight = final_hidden(model, input_ids, attention_mask)
+    if final is None:
+        states, weight = final_hidden(model, input_ids, attention_mask)
+        # a node of its own: a gradient taken at `states` (`functional/gradients.py`) stops
+        # here, short of the model's backward hooks on its outputs (FSDP2's pre-backward ones,
+        # which, run by a measurement, break the step's backward: tests/scale/test_grad_share)
+        states = states.view_as(states)
+    else:
+        states, weight = final
     chunk = chunk_tokens(weight.shape[0], chunk_size)
     logprobs = chunked_logprobs_from_hidden(states, weight, input_ids, temperature, chunk, mask)
     ent = chunked_entropy_from_hidden(states, weight, temperature, chunk, mask) if entropy else None
     shifted = F.pad(states[:, :-1], (0, 0, 1, 0)) if hidden else None
-    return TokenScores(logprobs, ent, shifted, weight)
+    return TokenScores(logprobs, ent, shifted, weight, states)
 
 
 def response_logprobs(
@@ -367,9 +381,11 @@ def _assemble(parts: list[tuple[Tensor, Tensor]], B: int) -> Tensor:
     return out
 
 
-def policy_scores(f: Forwards, mb: RolloutBatch, needs: set[str]) -> TokenScores:
+def policy_scores(
+    f: Forwards, mb: RolloutBatch, needs: set[str], final: tuple[Tensor, Tensor] | None = None
+) -> TokenScores:
     """The policy forward of a step on `mb`: log-probs, and the entropies and hidden states
-    when the objective reads them."""
+    when the objective reads them (of the given `final` states and LM head: no forward)."""
     return score_tokens(
         f.policy,
         mb.input_ids,
@@ -379,6 +395,7 @@ def policy_scores(f: Forwards, mb: RolloutBatch, needs: set[str]) -> TokenScores
         entropy=f.entropy or "entropy" in needs,
         hidden=bool(needs & {"hidden", "logits"}),
         chunk_size=f.chunk_size,
+        final=final,
     )
 
 
@@ -427,11 +444,14 @@ def step_context(
             weight if weight is not None else scores.lm_head_weight.detach()
         )
     old = targets.old_logprobs if targets.old_logprobs is not None else scores.logprobs.detach()
+    other_states: list[Tensor] = []  # of the forwards heads make on other sequences
 
     def policy_forward(ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
-        return score_tokens(
+        out = score_tokens(
             policy, ids, attn, temperature=temperature, mask=mask, chunk_size=chunk_size
-        ).logprobs
+        )
+        other_states.append(out.states)
+        return out.logprobs
 
     def reference_forward(ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
         return score_tokens(
@@ -447,6 +467,8 @@ def step_context(
         temperature=temperature,
         chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),
         behavior_logprobs=targets.behavior_logprobs,
+        states=scores.states,
+        _other_states=other_states,
         _provided=provided,
         _policy_forward=policy_forward,
         _reference_forward=reference_forward if reference is not None else None,

@@ -1,12 +1,23 @@
-"""Mixing advantage terms: per-term statistics and variance matching (DESIGN.md "Heads").
+"""Mixing heads: per-term statistics, variance matching and gradient-norm matching.
 
-Variance matching rescales each advantage term by σ(reference term) / σ(term), σ measured over
-the term's active tokens of the minibatch, detached; a term with σ = 0 (or a reference with
-σ = 0) keeps its weight.
+Variance matching (DESIGN.md "Heads") rescales each advantage term by σ(reference term) /
+σ(term), σ measured over the term's active tokens of the minibatch, detached; a term with σ = 0
+(or a reference with σ = 0) keeps its weight.
+
+Gradient-norm matching rescales every head, advantage and loss heads alike, by ‖ĝ_ref‖ / ‖ĝ_h‖,
+the norms of their unweighted pieces' gradients at the policy's final hidden states on the
+minibatch (`functional/gradients.py`), detached. Variance matching equalises the spread of the
+advantage terms, which says nothing of a loss head (SDPO's JSD, DPO) nor of how strongly a term
+moves the policy; the gradient norm is the one scale every head has in common (GradNorm's, Chen
+et al. 2018). A head's piece is positively homogeneous in its weight, so after the rescaling
+head h pulls with `w_h / w_ref` times the reference's norm: as with variance matching (σ of the
+unweighted terms), the weights and their schedules keep their meaning, now as ratios of
+gradient norms (a warm-up still starts small); equal weights give equal norms.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -41,3 +52,13 @@ def variance_scales(terms: list[AdvantageTerm], reference: str | None) -> dict[s
         if s > 0 and ref > 0:
             scales[name] = ref / s
     return scales
+
+
+def grad_norm_scales(sq_norms: dict[str, float], reference: str) -> dict[str, float]:
+    """Per-head multipliers ‖ĝ_ref‖ / ‖ĝ_h‖ from the squared gradient norms of the unweighted
+    pieces (`functional/gradients.py`); a head with ‖ĝ_h‖ = 0 (or a reference with 0, or one
+    that is off) keeps its weight."""
+    ref = sq_norms.get(reference, 0.0)
+    return {
+        name: math.sqrt(ref / sq) if sq > 0 and ref > 0 else 1.0 for name, sq in sq_norms.items()
+    }

@@ -104,6 +104,21 @@ class ComposerModule(L.LightningModule):
         mixing: `advantage` (one surrogate on the mixed advantage) or `loss` (one per term).
         variance_matching: name of a reference advantage head; every advantage term is rescaled
             by σ(reference) / σ(term) over its active tokens (detached). None disables it.
+        grad_norm_matching: name of a reference head (advantage or loss head); every head's
+            weight is multiplied by ‖ĝ_ref‖ / ‖ĝ_h‖, the norms of the unweighted heads'
+            gradients at the policy's final hidden states on the minibatch (all ranks),
+            detached, so head h pulls with `w_h / w_ref` times the reference's gradient norm
+            (weights and schedules stay ratios; equal weights, equal norms); a head (or
+            reference) with a zero gradient keeps its weight; logged as `<head>/weight`. Unlike
+            variance matching it scales loss heads too, by how strongly each moves the policy.
+            Costs one backward through the chunked LM head per head every step (and, with
+            micro-batches, keeps the minibatch's `[B, T, H]` states). Exclusive with
+            `variance_matching`. None disables it.
+        grad_share_every_n_steps: every N optimizer steps, log each head's `<head>/grad_norm`
+            (‖g_h‖ at the final hidden states) and `<head>/grad_share` (<g_h, g> / ‖g‖², g the
+            sum over heads: the shares sum to 1; a negative one pulls against the others),
+            at the same per-head cost on those steps; every step with `grad_norm_matching`.
+            0 (default): off.
         ppo_epochs: passes over each rollout batch.
         minibatches: optimizer steps per pass, split along groups. Every optimizer step counts
             as one `trainer.global_step`: `max_steps` and head schedules count optimizer steps
@@ -148,6 +163,8 @@ class ComposerModule(L.LightningModule):
         temperature: float | None = None,
         mixing: Mixing = "advantage",
         variance_matching: str | None = None,
+        grad_norm_matching: str | None = None,
+        grad_share_every_n_steps: int = 0,
         ppo_epochs: int = 1,
         minibatches: int = 1,
         max_grad_norm: float | None = 1.0,
@@ -177,7 +194,12 @@ class ComposerModule(L.LightningModule):
             mixing=mixing,
             variance_matching=variance_matching,
             importance_cap=importance_cap,
+            grad_norm_matching=grad_norm_matching,
         )
+        n = grad_share_every_n_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"grad_share_every_n_steps must be an integer >= 0, got {n!r}")
+        self.grad_share_every_n_steps = n
         check_loop_settings(**{k: v for k, v in locals().items() if k in LOOP_SETTINGS})
         # resolved once: engines and the data module's tokenizer follow this local directory
         self.policy_path: str | None = None
@@ -336,8 +358,12 @@ class ComposerModule(L.LightningModule):
             weights = self.objective.weights(self.global_step)
             requirements = self.objective.requirements(weights)
             plan = None if plans is None else plans[part]
+            measure = self._measures_gradients()
+            at_states = measure or self.objective.grad_norm_matching is not None
             scores = (
-                None if plan is None else accumulate.outputs(self.forwards, mb, plan, requirements)
+                None
+                if plan is None
+                else accumulate.outputs(self.forwards, mb, plan, requirements, states=at_states)
             )
             ctx = self.step_context(mb, requirements, targets.select(idx), scores)
             if update == 0:
@@ -348,7 +374,7 @@ class ComposerModule(L.LightningModule):
                     canary.max("rollout/staleness", self.policy_version - rb.policy_version)
                 for head in self.heads:
                     head.on_rollout(rb, targets.old_logprobs)
-            loss, metrics = self.objective(mb, ctx, weights)
+            loss, metrics = self.objective(mb, ctx, weights, measure_gradients=measure)
             # before the backward's collectives: a NaN on any rank stops every rank here
             agree(error=nonfinite_loss(loss, self.policy_version))
             opt.zero_grad()
@@ -358,6 +384,9 @@ class ComposerModule(L.LightningModule):
                 accumulate.backward(
                     self.forwards, loss, scores, mb, plan, requirements, self.manual_backward
                 )
+            # the context holds the minibatch's [B, T, H] hidden states: not into the next
+            # update's forward
+            ctx = scores = None
             if self.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(
                     self.trainable_parameters(), self.max_grad_norm
@@ -381,6 +410,12 @@ class ComposerModule(L.LightningModule):
         log_step(self.trainer, self.policy_version, reduced, bar)
         self.policy_version += 1
         return loss.detach()
+
+    def _measures_gradients(self) -> bool:
+        """Whether this optimizer step logs the heads' gradient shares (the same on every
+        rank: the measurement is a collective)."""
+        n = self.grad_share_every_n_steps
+        return n > 0 and self.global_step % n == 0
 
     def _max_gap(self, rb: RolloutBatch) -> float | None:
         if self.max_logprob_gap != "auto":

@@ -5,6 +5,14 @@ ONE clipped surrogate (`mixing="advantage"`), or each weighted term through its 
 summed (`mixing="loss"`, OpenClaw's "scheme A", for ablations); then `+ Σ w_j · loss_j` over
 the loss heads and `− entropy_coef · aggregate(H)`. The loop around it (forwards, updates,
 logging) lives in `ComposerModule`; this is the seam tests and other trainers call.
+
+Each head's share of the gradient is measured at the policy's final hidden states
+(`functional/gradients.py`) from its piece of the loss: `w_j · loss_j` for a loss head, the
+clipped surrogate of its own weighted term `w_i · A_i` alone for an advantage head (what
+`mixing="loss"` sums). Under `mixing="loss"` the pieces sum to the loss exactly; under
+`mixing="advantage"` their gradients sum to the mixed surrogate's wherever no clip binds (ratio
+in the clip range: always on the first update of an on-policy batch, where it is 1), since the
+surrogate is then linear in A. The entropy bonus is not a head and is in no piece.
 """
 
 from __future__ import annotations
@@ -16,14 +24,26 @@ import torch
 from torch import Tensor
 
 from composer_lightning.batch import RolloutBatch
+from composer_lightning.distributed import StepMetrics, agree, world
 from composer_lightning.functional import (
     masked_aggregate,
     policy_loss,
     truncated_importance_weights,
 )
+from composer_lightning.functional.gradients import (
+    gradient_gram,
+    gradient_shares,
+    hidden_gradients,
+    scaled_gram,
+)
 from composer_lightning.functional.policy import AGGREGATION_MODES
 from composer_lightning.heads.base import TEACHER_SIGNALS, Head, HeadOutput
-from composer_lightning.mixer import AdvantageTerm, masked_stats, variance_scales
+from composer_lightning.mixer import (
+    AdvantageTerm,
+    grad_norm_scales,
+    masked_stats,
+    variance_scales,
+)
 from composer_lightning.step import StepContext
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
@@ -41,6 +61,13 @@ class Objective:
         entropy_coef: entropy bonus coefficient (≥ 0).
         mixing: `advantage` (one surrogate on the mixed advantage) or `loss` (one per term).
         variance_matching: name of a reference advantage head, or None.
+        grad_norm_matching: name of a reference head (of either kind), or None: every head's
+            weight is multiplied by ‖ĝ_ref‖ / ‖ĝ_h‖, the norms of the unweighted pieces'
+            gradients at the final hidden states on this minibatch (over all ranks; detached;
+            a head or reference with a zero gradient keeps its weight), so head h's gradient
+            norm is `w_h / w_ref` times the reference's (`mixer.py`); measured before the loss
+            is formed: one backward through the chunked LM head per head, every step.
+            Exclusive with `variance_matching`.
         importance_cap: for a stale batch (`ctx.behavior_logprobs` set), the surrogate's
             per-token loss is weighted by `min(exp(old − behaviour), importance_cap)`
             (truncated importance sampling, verl's `rollout_is_threshold`); None: no weights.
@@ -59,6 +86,7 @@ class Objective:
         mixing: Mixing = "advantage",
         variance_matching: str | None = None,
         importance_cap: float | None = 2.0,
+        grad_norm_matching: str | None = None,
     ):
         self.heads = _check_heads(heads)
         if not 0 < clip_low < 1:
@@ -79,6 +107,14 @@ class Objective:
                 f"variance_matching names head {variance_matching!r}, which is not "
                 f"among the heads {names}"
             )
+        if variance_matching is not None and grad_norm_matching is not None:
+            raise ValueError("variance_matching and grad_norm_matching exclude each other: set one")
+        if grad_norm_matching is not None and grad_norm_matching not in names:
+            raise ValueError(
+                f"grad_norm_matching names head {grad_norm_matching!r}, which is not "
+                f"among the heads {names}"
+            )
+        self.grad_norm_matching = grad_norm_matching
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.aggregation, self.entropy_coef = aggregation, entropy_coef
         if importance_cap is not None and not importance_cap >= 1:
@@ -133,9 +169,18 @@ class Objective:
         return [t._replace(weight=t.weight * scales[t.name]) for t in terms]
 
     def __call__(
-        self, batch: RolloutBatch, ctx: StepContext, weights: dict[str, float]
+        self,
+        batch: RolloutBatch,
+        ctx: StepContext,
+        weights: dict[str, float],
+        *,
+        measure_gradients: bool = False,
     ) -> tuple[Tensor, dict[str, Tensor | float]]:
-        """The minibatch loss and its metrics (`<head>/<metric>`, `ppo/…`, `train/loss`)."""
+        """The minibatch loss and its metrics (`<head>/<metric>`, `ppo/…`, `train/loss`).
+
+        With `measure_gradients` (and always with `grad_norm_matching`) also `<head>/grad_norm`
+        and `<head>/grad_share` (`functional/gradients.py`), measured at `ctx.policy_states()`
+        over every rank: a collective, so every rank must pass the same flag."""
         outputs = self.head_outputs(batch, ctx, weights)
         metrics: dict[str, Tensor | float] = {f"{name}/weight": w for name, w in weights.items()}
         total = ctx.logprobs.sum() * 0.0
@@ -148,10 +193,26 @@ class Objective:
                 )
             else:
                 metrics[f"{name}/loss"] = out.loss.detach()
-                total = total + weights[name] * out.loss
         terms = self.advantage_terms(batch, outputs, weights)
+        effective = {name: weights[name] for name in outputs} | {t.name: t.weight for t in terms}
+        if measure_gradients or self.grad_norm_matching is not None:
+            names = list(effective)
+            gram = self.gradient_gram(batch, ctx, outputs, effective)
+            if self.grad_norm_matching is not None:
+                # the unweighted pieces' norms (a computed head's weight is > 0)
+                unit = {n: float(gram[h, h]) / effective[n] ** 2 for h, n in enumerate(names)}
+                scales = grad_norm_scales(unit, self.grad_norm_matching)
+                effective = {n: w * scales[n] for n, w in effective.items()}
+                gram = scaled_gram(
+                    gram, torch.tensor([scales[n] for n in names], dtype=torch.float64)
+                )
+            metrics.update(gradient_shares(gram, names))
+        metrics.update({f"{name}/weight": w for name, w in effective.items()})
+        for name, out in outputs.items():
+            if out.loss is not None:
+                total = total + effective[name] * out.loss
+        terms = [t._replace(weight=effective[t.name]) for t in terms]
         if terms:
-            metrics.update({f"{t.name}/weight": t.weight for t in terms})
             pg, pg_metrics = self.surrogate(ctx, batch, terms)
             metrics.update({f"ppo/{k}": v for k, v in pg_metrics.items()})
             metrics["ppo/loss"] = pg.detach()
@@ -165,10 +226,59 @@ class Objective:
         metrics["train/loss"] = total.detach()
         return total, metrics
 
-    def surrogate(
-        self, ctx: StepContext, batch: RolloutBatch, terms: list[AdvantageTerm]
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The clipped surrogate of the weighted advantage terms, per `mixing`."""
+    def pieces(
+        self,
+        batch: RolloutBatch,
+        ctx: StepContext,
+        outputs: dict[str, HeadOutput],
+        weights: dict[str, float],
+    ) -> dict[str, Tensor]:
+        """Each head's piece of the loss at its effective weight in `weights`: `w · loss` for a
+        loss head, the clipped surrogate of `w · A` alone for an advantage head (importance-
+        weighted as the loss is). They sum to the loss's gradient but for the entropy bonus,
+        exactly under `mixing="loss"` and wherever no clip binds under `"advantage"`."""
+        kw, _ = self._surrogate_options(ctx, batch)
+        out = {}
+        for name, head in outputs.items():
+            if head.loss is not None:
+                out[name] = weights[name] * head.loss
+            else:
+                scaled = weights[name] * head.advantages.detach()
+                out[name] = policy_loss(
+                    ctx.logprobs, ctx.old_logprobs, scaled, batch.response_mask, **kw
+                )[0]
+        return out
+
+    def gradient_gram(
+        self,
+        batch: RolloutBatch,
+        ctx: StepContext,
+        outputs: dict[str, HeadOutput],
+        weights: dict[str, float],
+    ) -> Tensor:
+        """`[H, H]` the Gram matrix of the pieces' gradients at the policy's final hidden
+        states (in the order of `weights`), of the ranks' mean objective (DDP and FSDP2 average
+        the ranks' gradients: the states of rank r get `g_r / N`): `Σ_r G_r / N²`, summed in
+        one `agree`, a collective."""
+        pieces = self.pieces(batch, ctx, outputs, weights)
+        gram = gradient_gram(hidden_gradients(pieces, ctx.policy_states()))
+        _, size = world()
+        if size == 1:
+            return gram
+        local = StepMetrics()
+        for i in range(len(gram)):
+            for j in range(len(gram)):
+                local.sum(f"{i},{j}", gram[i, j])
+        summed = agree(local)
+        return torch.tensor(
+            [[summed[f"{i},{j}"] for j in range(len(gram))] for i in range(len(gram))],
+            dtype=torch.float64,
+        ) / (size * size)
+
+    def _surrogate_options(
+        self, ctx: StepContext, batch: RolloutBatch
+    ) -> tuple[dict, dict[str, Tensor]]:
+        """`policy_loss`'s options for this minibatch, and the importance weights' metrics."""
         weights, is_metrics = self.importance_weights(ctx, batch)
         kw = dict(
             clip_low=self.clip_low,
@@ -178,6 +288,13 @@ class Objective:
             norm_length=ctx.norm_length,
             weights=weights,
         )
+        return kw, is_metrics
+
+    def surrogate(
+        self, ctx: StepContext, batch: RolloutBatch, terms: list[AdvantageTerm]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The clipped surrogate of the weighted advantage terms, per `mixing`."""
+        kw, is_metrics = self._surrogate_options(ctx, batch)
         scaled = [t.weight * t.advantages for t in terms]
         mixed = torch.stack(scaled).sum(0)  # [B, T]
         if self.mixing == "advantage":

@@ -81,6 +81,9 @@ class StepContext:
         aggregation: the module's aggregation mode; `norm_length` its normaliser.
         temperature: the sampling temperature the log-probs are taken at.
         chunk_size: tokens per LM-head chunk, for heads that apply the LM head themselves.
+        states: `[B, T, H]` the policy's final hidden states every per-token output above is
+            computed from (grad), where each head's share of the gradient is measured
+            (`functional/gradients.py`); None when a micro-batched step did not keep them.
     """
 
     global_step: int
@@ -91,6 +94,8 @@ class StepContext:
     temperature: float
     chunk_size: int = 1024
     behavior_logprobs: Tensor | None = None
+    states: Tensor | None = None
+    _other_states: list[Tensor] = field(default_factory=list)
     _provided: dict[str, object] = field(default_factory=dict)
     _policy_forward: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
     _reference_forward: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
@@ -169,6 +174,18 @@ class StepContext:
     def ref_logprobs(self) -> Tensor:
         """`[B, T]` reference-model log-probs (no grad)."""
         return self._get("ref_logprobs")
+
+    def policy_states(self) -> list[Tensor]:
+        """The final hidden states of every policy forward of this step (grad): the
+        minibatch's, then those of each forward a head made on other sequences (replay DPO's
+        pairs), in call order. Disjoint variables: a gradient over all of them is their
+        concatenation."""
+        if self.states is None:
+            raise AttributeError(
+                "this step kept no policy hidden states (a micro-batched step keeps them "
+                "only when it measures gradients)"
+            )
+        return [self.states, *self._other_states]
 
     def aggregate(self, values: Tensor, mask: Tensor) -> Tensor:
         """Reduce `[B, T]` values over `mask` with the module's aggregation."""

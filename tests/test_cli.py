@@ -185,10 +185,15 @@ def test_checkpoint_restores_the_rng_states():
         ),
         ("--model.mixing=both", "Literal['advantage', 'loss']. Got value: both"),
         ("--model.dual_clip=0.5", "dual_clip"),
+        (
+            "--model.variance_matching=dr_grpo --model.grad_norm_matching=sdpo",
+            "variance_matching and grad_norm_matching exclude each other: set one",
+        ),
     ],
 )
 def test_bad_settings_give_a_one_line_error(override, message):
-    out = run_cli("fit", "--config", str(ROOT / "configs" / "synthetic_demo.yaml"), override)
+    config = str(ROOT / "configs" / "synthetic_demo.yaml")
+    out = run_cli("fit", "--config", config, *override.split())
     assert out.returncode != 0
     assert "invalid configuration" in out.stderr and message in out.stderr
     assert "Traceback" not in out.stderr
