@@ -1,29 +1,40 @@
-"""What does composition buy? Five head sets × seeds × two tasks, judged on held-out prompts.
+"""What does composition buy? Head sets × seeds × the sparse-reward suite, on held-out prompts.
 
-    python bench/ablation.py [--quick] [--seeds 0 1 2] [--steps 200] [--jobs 2]
+    python bench/ablation.py [--quick] [--seeds 0 1 2] [--steps 50] [--jobs 2]
+        [--tasks carry subtract multiply] [--variants rl_only combine ...]
+        [--weights sdpo=1.0 opd=0.5] [--sdpo-clip-mode scale] [--head-args opd.gap_clip=1.0]
 
 Every run is `python -m composer_lightning fit --config configs/tiny_cpu.yaml` (the tiny
-offline policy, vLLM on CPU, G = 4, 8 prompts per step) with only the heads changed:
+offline policy, vLLM on CPU, G = 4, 8 prompts per step, AdamW 1e-4) with only the heads and the
+task changed. Variants (`VARIANTS`):
 - `rl_only`: Dr. GRPO;
-- `opd_only`: OPD (the policy given the verifier's hint as teacher);
+- `opd`: OPD alone (the policy given the verifier's hint as teacher);
+- `topk_opd`: top-k OPD alone (the hint chosen among `--candidates` candidate hints per sample,
+  `--rollout.hint.init_args.candidates`);
 - `combine`: OpenClaw-RL's combine, Dr. GRPO + OPD in one clipped surrogate;
 - `grpo_sdpo`: Dr. GRPO + SDPO (hinted self-distillation);
-- `all_four`: Dr. GRPO + OPD + SDPO + replay DPO (the main job).
-Each head keeps its weight of the main job (Dr. GRPO 1, OPD 0.5, SDPO 0.1 warmed up over 20
-steps, replay DPO 0.05), so variants differ only in which signals are present. Two tasks:
-- `main`: a + b with operands 0–20 at temperature 1 (the policy starts near 60 % correct);
-- `sparse`: only the sums with a units carry (`Arithmetic(carry_only=True)`), at temperature
-  0.6: the policy's weak spot, ≈ 6 % correct sampled and 0 % greedy, ≈ 96 % with the hint in
-  context (`arithmetic_carry/` in the tiny policy's build_info.json).
-The main task runs 200 steps with held-out evaluation every 25; the sparse task, which moves
-within its first steps, 60 steps with evaluation every 5 (greedy accuracy, pass@4 and response
-length on held-out prompts, disjoint from the training stream by construction).
+- `all`: the main job's four heads, Dr. GRPO + OPD + SDPO + replay DPO. Top-k OPD is not in
+  it: it is another estimate of the same teacher advantage as OPD (the teacher given a chosen
+  hint), and both in one objective would count the teacher twice; `all_topk` (top-k OPD in
+  OPD's place) is there to ask for by name.
+Each head has one weight in every variant it is in (`WEIGHTS`, overridable with `--weights`),
+so variants differ only in which signals are present; other head arguments are the heads'
+defaults unless `HEAD_ARGS` or `--head-args HEAD.ARG=VALUE` (a YAML value) set them.
 
-Prints per task: held-out greedy accuracy at the end (mean ± standard error over seeds) and
-pass@4, the first evaluation step at which each seed's greedy accuracy reached the threshold
-(mean over the seeds that did, and how many did), the mean training reward of the last 20
-steps, and wall time; writes docs/ablation.png (held-out greedy accuracy against step).
-`--quick`: one seed, 60 and 30 steps (a few minutes).
+Tasks: the sparse-reward suite (`composer_lightning/tasks/suite.py`: task, task arguments and
+training temperature each; `bench/sparse_suite.py` measures them), `STEPS` optimizer steps each
+(`--steps` for all), held-out evaluation every 5 steps (greedy accuracy, pass@4 on held-out
+prompts, disjoint from the training stream by construction).
+
+Prints per task the held-out greedy accuracy at steps 5, 10, 20, 50 (those before the last) and
+at the end (mean ± SE over seeds; in brackets the difference to `rl_only` in units of the
+standard error of the difference, `(m − m_rl) / sqrt(se² + se_rl²)`, seeds taken as independent:
+conservative, since a seed's runs share its prompt stream), the first evaluated step at
+which each seed's accuracy reached the task's threshold (what the hinted policy solves greedily
+at the start, `hinted_greedy`, capped at 0.9: when the student alone does what its teacher did;
+mean over the seeds that did, and how many), the mean training reward of the last 10 steps,
+and wall time per run; writes docs/ablation.png (one panel per task).
+`--quick`: one seed, 10 steps (an end-to-end check).
 """
 
 from __future__ import annotations
@@ -40,50 +51,75 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import yaml
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from composer_lightning.tasks.suite import SUITE  # noqa: E402
+
+# Head weights, one per head in every variant (defaults to be set from measurements).
+WEIGHTS = {"dr_grpo": 1.0, "opd": 0.5, "topk_opd": 0.5, "sdpo": 0.1, "replay_dpo": 0.05}
 H = "composer_lightning.heads."
-HEADS = {
-    "dr_grpo": {"class_path": H + "dr_grpo.DrGRPOHead", "init_args": {"weight": 1.0}},
-    "opd": {"class_path": H + "opd.OPDHead", "init_args": {"weight": 0.5}},
-    "sdpo": {"class_path": H + "sdpo.SDPOHead", "init_args": {"weight": 0.1, "warmup_steps": 20}},
-    "replay_dpo": {
-        "class_path": H + "replay_dpo.ReplayDPOHead",
-        "init_args": {"weight": 0.05, "capacity": 256, "pairs_per_step": 4},
-    },
+HEAD_CLASSES = {
+    "dr_grpo": H + "dr_grpo.DrGRPOHead",
+    "opd": H + "opd.OPDHead",
+    "topk_opd": H + "topk_opd.TopKOPDHead",
+    "sdpo": H + "sdpo.SDPOHead",
+    "replay_dpo": H + "replay_dpo.ReplayDPOHead",
+}
+# Arguments other than the weight; anything left out is the head's default.
+HEAD_ARGS: dict[str, dict] = {
+    "dr_grpo": {},
+    "opd": {},
+    "topk_opd": {"k": 4, "subset": "student", "selection": "sequence_optimal", "gap_clip": 1.0},
+    "sdpo": {"warmup_steps": 20},
+    "replay_dpo": {"capacity": 256, "pairs_per_step": 4},
 }
 VARIANTS = {
     "rl_only": ["dr_grpo"],
-    "opd_only": ["opd"],
+    "opd": ["opd"],
+    "topk_opd": ["topk_opd"],
     "combine": ["dr_grpo", "opd"],
     "grpo_sdpo": ["dr_grpo", "sdpo"],
-    "all_four": ["dr_grpo", "opd", "sdpo", "replay_dpo"],
+    "all": ["dr_grpo", "opd", "sdpo", "replay_dpo"],
+    "all_topk": ["dr_grpo", "topk_opd", "sdpo", "replay_dpo"],
 }
-TASKS = {  # steps and evaluation interval per task: the sparse task moves in its first steps
-    "main": {"args": [], "threshold": 0.85, "steps": 200, "val_every": 25, "quick": (60, 20)},
-    "sparse": {
-        "args": [
-            "--data.init_args.task_args={carry_only: true}",
-            "--rollout.sampling.temperature=0.6",
-        ],
-        "threshold": 0.8,
-        "steps": 60,
-        "val_every": 5,
-        "quick": (30, 5),
-    },
-}
+DEFAULT_VARIANTS = ["rl_only", "opd", "topk_opd", "combine", "grpo_sdpo", "all"]
+NEEDS_CANDIDATES = {"topk_opd"}  # heads that select among several candidate hints
+# Sized to the budget: two at a time on 2 cores a run takes ≈ 27 s + 0.25 s per step (≈ 2× that
+# while others load the cores), so the default 54 runs take ≈ 19 min; carry moves within its
+# first 20 steps, the others slowly.
+STEPS = {"carry": 50, "subtract": 60, "multiply": 60}
+VAL_EVERY = 5
+REPORT_STEPS = (5, 10, 20, 50)
+QUICK_STEPS = 10
 
 
-def run(task: str, variant: str, seed: int, quick: bool, out: str) -> dict:
-    steps, val_every = (
-        TASKS[task]["quick"] if quick else (TASKS[task]["steps"], TASKS[task]["val_every"])
+def threshold(task: str) -> float:
+    """The held-out accuracy a run has to reach: what the hinted policy solved greedily at the
+    start, capped at 0.9."""
+    return min(0.9, SUITE[task].figures["hinted_greedy"])
+
+
+def heads_json(variant: str, weights: dict[str, float], head_args: dict[str, dict]) -> str:
+    return json.dumps(
+        [
+            {"class_path": HEAD_CLASSES[h], "init_args": {"weight": weights[h], **head_args[h]}}
+            for h in VARIANTS[variant]
+        ]
     )
-    heads = json.dumps([HEADS[h] for h in VARIANTS[variant]])
+
+
+def run(task: str, variant: str, seed: int, steps: int, cfg: dict, out: str) -> dict:
+    extra = SUITE[task].fit_args()
+    if NEEDS_CANDIDATES & set(VARIANTS[variant]):
+        extra.append(f"--rollout.hint.init_args.candidates={cfg['candidates']}")
     cmd = [
         sys.executable, "-m", "composer_lightning", "fit",
         "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-        f"--model.heads={heads}", *TASKS[task]["args"],
-        f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={val_every}",
+        f"--model.heads={heads_json(variant, cfg['weights'], cfg['head_args'])}", *extra,
+        f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={VAL_EVERY}",
         f"--seed_everything={seed}", f"--rollout.sampling.seed={seed}",
         f"--rollout.engine.init_args.seed={seed}", f"--data.init_args.seed={seed}",
         "--rollout.samples_every_n_steps=0", "--trainer.enable_checkpointing=false",
@@ -98,11 +134,10 @@ def run(task: str, variant: str, seed: int, quick: bool, out: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{task}/{variant}/seed {seed} failed:\n{proc.stderr[-3000:]}")
     curves = scalars(out)
-    # evaluation i ran after (i + 1) * val_every rollout batches (= optimizer steps here)
-    curves["val/accuracy"] = [
-        ((i + 1) * val_every, v) for i, (_, v) in enumerate(curves["val/accuracy"])
-    ]
-    return {"task": task, "variant": variant, "seed": seed, "wall": wall, **curves}
+    for tag in [t for t in curves if t.startswith("val/")]:
+        # evaluation i ran after (i + 1) * VAL_EVERY rollout batches (= optimizer steps here)
+        curves[tag] = [((i + 1) * VAL_EVERY, v) for i, (_, v) in enumerate(curves[tag])]
+    return {"task": task, "variant": variant, "seed": seed, "steps": steps, "wall": wall, **curves}
 
 
 def scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
@@ -111,9 +146,10 @@ def scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     (events,) = glob.glob(os.path.join(logdir, "**", "events.*"), recursive=True)
     acc = EventAccumulator(events, size_guidance={"scalars": 0})
     acc.Reload()
-    tags = acc.Tags()["scalars"]
     keep = [
-        t for t in tags if t.startswith("val/") or t == "rollout/reward_mean" or t == "sdpo/jsd"
+        t
+        for t in acc.Tags()["scalars"]
+        if t.startswith(("val/", "dispatch/")) or t in ("rollout/reward_mean", "sdpo/jsd")
     ]
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in keep}
 
@@ -125,46 +161,84 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
-def report(results: list[dict], seeds: list[int]) -> list[str]:
+def accuracy_at(r: dict, step: int | None) -> float | None:
+    """Held-out greedy accuracy of run `r` at `step` (None: its last evaluation)."""
+    curve = r["val/accuracy"]
+    if step is None:
+        return curve[-1][1] if curve else None
+    return next((v for s, v in curve if s == step), None)
+
+
+def cell(rs: list[dict], base: list[dict] | None, step: int | None) -> str:
+    """`mean ± SE [difference to the baseline runs in units of its SE]` at `step`."""
+    values = [accuracy_at(r, step) for r in rs]
+    if not rs or None in values:
+        return "—"
+    m, se = mean_se(values)
+    text = f"{m:.3f} ± {se:.3f}"
+    base_values = [accuracy_at(r, step) for r in base or []]
+    if base_values and None not in base_values:
+        mb, seb = mean_se(base_values)
+        sd = math.sqrt(se**2 + seb**2)  # NaN with one seed: no bracket
+        if sd > 0:
+            text += f" [{(m - mb) / sd:+.1f}]"
+        elif sd == 0:  # every seed of both at the same value
+            text += " [0]" if m == mb else f" [{'+' if m > mb else '-'}inf]"
+    return text
+
+
+def report(
+    results: list[dict], tasks: list[str], variants: list[str], steps: dict[str, int]
+) -> list[str]:
     lines = []
-    for task in TASKS:
-        thr = TASKS[task]["threshold"]
+    for task in tasks:
+        thr = threshold(task)
+        e = SUITE[task]
+        at = [s for s in REPORT_STEPS if s < steps[task]]
+        cols = [f"step {s}" for s in at] + [f"end ({steps[task]})"]
         lines += [
-            f"\n{task} task — held-out greedy accuracy after the last step (mean ± SE over "
-            f"{len(seeds)} seed(s)); first evaluated step with greedy accuracy ≥ {thr:.2f}:",
-            "| variant | greedy acc | pass@4 | steps to threshold (seeds reached) | "
-            "train reward, last 20 | wall s |",
-            "|---|---|---|---|---|---|",
+            f"\n{task} ({e.task} {json.dumps(e.task_args)}, temperature {e.temperature}; start: "
+            f"plain greedy {e.figures['plain_greedy']:.3f}, hinted greedy "
+            f"{e.figures['hinted_greedy']:.3f}) — held-out greedy accuracy, mean ± SE over "
+            f"seeds [difference to rl_only / sqrt(se² + se_rl²)]; steps to accuracy ≥ {thr:.2f}:",
+            f"| variant | {' | '.join(cols)} | steps to {thr:.2f} (seeds) | pass@4, end | "
+            "train reward, last 10 | wall s |",
+            "|---|" + "---|" * (len(cols) + 4),
         ]
-        for variant in VARIANTS:
+        base = [r for r in results if r["task"] == task and r["variant"] == "rl_only"]
+        for variant in variants:
             rs = [r for r in results if r["task"] == task and r["variant"] == variant]
             if not rs:
                 continue
-            acc = mean_se([r["val/accuracy"][-1][1] for r in rs])
-            p4 = mean_se([r["val/pass@4"][-1][1] for r in rs])
+            ref = None if variant == "rl_only" else base
+            accs = [cell(rs, ref, s) for s in (*at, None)]
             reached = [next((s for s, v in r["val/accuracy"] if v >= thr), None) for r in rs]
             hit = [s for s in reached if s is not None]
-            steps = (
+            to_thr = (
                 f"{sum(hit) / len(hit):.0f} ({len(hit)}/{len(rs)})" if hit else f"— (0/{len(rs)})"
             )
-            reward = mean_se([sum(v for _, v in r["rollout/reward_mean"][-20:]) / 20 for r in rs])
+            p4 = mean_se([r["val/pass@4"][-1][1] for r in rs])
+            tail = [[v for _, v in r["rollout/reward_mean"][-10:]] for r in rs]
+            reward = mean_se([sum(t) / len(t) for t in tail])
             wall = sum(r["wall"] for r in rs) / len(rs)
             lines.append(
-                f"| {variant} | {acc[0]:.3f} ± {acc[1]:.3f} | {p4[0]:.3f} ± {p4[1]:.3f} | "
-                f"{steps} | {reward[0]:.3f} ± {reward[1]:.3f} | {wall:.0f} |"
+                f"| {variant} | {' | '.join(accs)} | {to_thr} | {p4[0]:.3f} ± {p4[1]:.3f} | "
+                f"{reward[0]:.3f} ± {reward[1]:.3f} | {wall:.0f} |"
             )
     return lines
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], tasks: list[str], variants: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(12, 4.5), sharey=True)
-    for ax, task in zip(axes, TASKS, strict=True):
-        for variant in VARIANTS:
+    fig, axes = plt.subplots(
+        1, len(tasks), figsize=(4.5 * len(tasks), 4.5), sharey=True, squeeze=False
+    )
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for variant in variants:
             rs = [r for r in results if r["task"] == task and r["variant"] == variant]
             if not rs:
                 continue
@@ -173,54 +247,97 @@ def plot(results: list[dict], path: Path) -> None:
             stats = [mean_se([c[i] for c in curves]) for i in range(len(steps))]
             mean = [m for m, _ in stats]
             se = [0.0 if math.isnan(s) else s for _, s in stats]
-            ax.plot(steps, mean, marker="o", label=variant)
+            color = f"C{list(VARIANTS).index(variant)}"  # the same colour in every panel
+            ax.plot(steps, mean, marker="o", ms=3, label=variant, color=color)
             ax.fill_between(
                 steps,
                 [m - s for m, s in zip(mean, se, strict=True)],
                 [m + s for m, s in zip(mean, se, strict=True)],
                 alpha=0.15,
+                color=color,
             )
-        ax.axhline(TASKS[task]["threshold"], color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{task} task: held-out greedy accuracy", fontsize=10)
+        ax.axhline(threshold(task), color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{task} (T = {SUITE[task].temperature})", fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("greedy accuracy (mean ± SE over seeds)")
-    axes[0].legend(fontsize=8)
+    axes[0][0].set_ylabel("held-out greedy accuracy (mean ± SE over seeds)")
+    for ax in axes[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
+def key_values(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"{what}: expected KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 seed, fewer steps")
+    ap.add_argument("--quick", action="store_true", help=f"1 seed, {QUICK_STEPS} steps")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=None, help="steps of every task (else STEPS)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--tasks", nargs="+", default=list(SUITE), choices=list(SUITE))
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    ap.add_argument("--weights", nargs="+", default=[], metavar="HEAD=W", help="e.g. sdpo=1.0")
+    ap.add_argument(
+        "--head-args", nargs="+", default=[], metavar="HEAD.ARG=V", help="e.g. opd.gap_clip=1.0"
+    )
+    ap.add_argument("--sdpo-clip-mode", choices=["element", "token", "scale"], default=None)
+    ap.add_argument("--candidates", type=int, default=3, help="hints per sample for top-k OPD")
     ap.add_argument("--png", default=str(ROOT / "docs" / "ablation.png"))
     ap.add_argument("--json", default=None, help="also write every run's curves here")
     args = ap.parse_args()
-    if args.quick:
-        args.seeds = args.seeds[:1]
-    jobs = [(t, v, s) for t in args.tasks for v in args.variants for s in args.seeds]
+    weights = dict(WEIGHTS)
+    for head, w in key_values(args.weights, "--weights").items():
+        if head not in WEIGHTS:
+            raise SystemExit(f"--weights: unknown head {head!r}; heads: {sorted(WEIGHTS)}")
+        weights[head] = float(w)
+    head_args = {h: dict(a) for h, a in HEAD_ARGS.items()}
+    if args.sdpo_clip_mode is not None:
+        head_args["sdpo"]["clip_mode"] = args.sdpo_clip_mode
+    for path, value in key_values(args.head_args, "--head-args").items():
+        head, _, arg = path.partition(".")
+        if head not in head_args or not arg:
+            raise SystemExit(f"--head-args: expected HEAD.ARG with HEAD in {sorted(head_args)}")
+        head_args[head][arg] = yaml.safe_load(value)
+    cfg = {"weights": weights, "head_args": head_args, "candidates": args.candidates}
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    steps = {t: QUICK_STEPS if args.quick else (args.steps or STEPS[t]) for t in args.tasks}
+    jobs = [(t, v, s) for t in args.tasks for v in args.variants for s in seeds]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run, t, v, s, args.quick, f"{tmp}/{t}_{v}_{s}") for t, v, s in jobs]
-        results = [f.result() for f in futures]
+        futures = [
+            pool.submit(run, t, v, s, steps[t], cfg, f"{tmp}/{t}_{v}_{s}") for t, v, s in jobs
+        ]
+        results, failed = [], []
+        for job, future in zip(jobs, futures, strict=True):
+            try:
+                results.append(future.result())
+            except RuntimeError as err:  # one broken run (a head not there yet) keeps the rest
+                failed.append(job)
+                print(err, file=sys.stderr)
     total = time.perf_counter() - start
-    plan = ", ".join(
-        f"{t}: {TASKS[t]['quick'][0] if args.quick else TASKS[t]['steps']} steps"
-        for t in args.tasks
-    )
+    plan = ", ".join(f"{t}: {steps[t]} steps" for t in args.tasks)
+    used = sorted({h for v in args.variants for h in VARIANTS[v]})
     print(
-        f"configs/tiny_cpu.yaml ({plan}), seeds {args.seeds}, {args.jobs} runs at a time, "
-        f"{total / 60:.1f} min"
+        f"configs/tiny_cpu.yaml ({plan}; evaluation every {VAL_EVERY}), seeds {seeds}, "
+        f"{args.jobs} runs at a time, {len(jobs)} runs, {total / 60:.1f} min\nheads: "
+        + "; ".join(f"{h} {json.dumps({'weight': weights[h], **head_args[h]})}" for h in used)
     )
-    print("\n".join(report(results, args.seeds)))
-    plot(results, Path(args.png))
+    print("\n".join(report(results, args.tasks, args.variants, steps)))
+    plot(results, args.tasks, args.variants, Path(args.png))
     print(f"\nwrote {args.png}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results))
+        Path(args.json).write_text(json.dumps({"config": cfg, "runs": results}))
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed (task, variant, seed): {failed}")
 
 
 if __name__ == "__main__":
