@@ -15,9 +15,10 @@ answers, with deliberately noisy targets so the policy is *sometimes right*:
 - hinted prompts (the prompt, then the verifier's hint for a wrong attempt as an extra user —
   or, 20% of the time, system — message): the target is always right.
 So plain arithmetic accuracy lands near 60% and a hint in context measurably helps; the measured
-numbers are written to `build_info.json`. The carries are also the sparse-reward task
-(`Arithmetic(carry_only=True)`): greedy 0% and, sampled at temperature 0.6, 6% right alone,
-95% with the hint (`arithmetic_carry/...`). Simplified on purpose: a single fixed data mix, no
+numbers are written to `build_info.json`. The carries (`Arithmetic(carry_only=True)`: greedy 0%
+and, sampled at temperature 0.6, 6% right alone, 95% with the hint, `arithmetic_carry/...`) are
+one task of the sparse-reward suite (`tasks/suite.py`, at temperature 0.3 there; its figures are
+measured by `bench/sparse_suite.py`). Simplified on purpose: a single fixed data mix, no
 validation split (the policy is a test fixture, not a model).
 """
 
@@ -250,8 +251,7 @@ def build(out: str | Path, steps: int = 1500, batch_size: int = 48, lr: float = 
             plain, hinted = hint_accuracy(model, tokenizer, task, problems, greedy, seed=7)
             info[f"{task.name}/{mode}/plain_accuracy"] = plain
             info[f"{task.name}/{mode}/hinted_accuracy"] = hinted
-    # The sparse-reward task: carries, the policy's weak spot (it "forgets" them), at the
-    # temperature its config samples at (configs/sparse_*.yaml: 0.6) and greedy.
+    # Carries, the policy's weak spot (it "forgets" them), greedy and sampled at 0.6 and 1.
     carry = Arithmetic(carry_only=True)
     problems = carry.samples(300, seed=1234)
     for mode, greedy, temperature in (
