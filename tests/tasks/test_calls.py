@@ -93,7 +93,7 @@ def test_a_hint_function_returns_a_string_or_none_and_a_raising_one_is_counted(c
         out = provider.hints([{}] * 3, ["ok", "int", "raise"])
     assert out == ["check the carry", None, None] and provider.failures == 2
     assert _messages(caplog) == [
-        "hint function returned int 3 on sample 1, expected a string or None (it gets no hint)",
+        "hint function returned int 3 on sample 1, expected a string, a list of strings or None (it gets no hint)",
         "hint function raised on sample 2 (it gets no hint): KeyError: 'x'",
     ]
 
