@@ -320,7 +320,8 @@ class BackgroundEngine:
             return
         for q in (self._requests, self._results):
             q.close()
-        self._results.cancel_join_thread()
-        # Dropped, so that their named semaphores (/dev/shm/sem.mp-*) are unlinked now.
+            q.cancel_join_thread()  # a request the child never read must not hold up exit
+        # Dropped, so that their named semaphores (/dev/shm/sem.mp-*) are unlinked: at once, or
+        # for the requests' write lock and counter, when its feeder thread has flushed and exited.
         self._requests = self._results = None
         self.ring = []
