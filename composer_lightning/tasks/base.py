@@ -76,6 +76,13 @@ class Task(ABC):
         hint = self.verify(problem, completion).hint
         return [] if hint is None else [hint]
 
+    def environment(self, problem: Problem) -> Any:
+        """A fresh environment (`envs.Environment`) for one episode on `problem`. By default a
+        single turn: the problem's chat, one assistant turn, scored by the verifier."""
+        from composer_lightning.envs.base import SingleTurn
+
+        return SingleTurn()
+
     def samples(self, n: int, seed: int = 0) -> list[Problem]:
         """`n` problems from a fresh `random.Random(seed)`."""
         rng = random.Random(seed)
