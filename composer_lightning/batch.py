@@ -68,6 +68,8 @@ class RolloutBatch:
         candidate_attention_mask: `[B, C, T'']`.
         candidate_positions: `[B, C, T]` long, as `teacher_positions`, per candidate.
         has_candidate: `[B, C]` bool, the sample has candidate c.
+        episode_ids: `[B]` long, rows that are turns of one episode share an id (its GRPO
+            advantage is the episode's); None: every row is an episode of its own.
         dpo_pairs: optional replay pairs recorded by the rollout side.
         index: the prompt batch (stream position) it was made from, or None.
         metrics: the rollout side's metrics of this batch, each with its reduction over ranks;
@@ -96,6 +98,7 @@ class RolloutBatch:
     candidate_attention_mask: Tensor | None = None
     candidate_positions: Tensor | None = None
     has_candidate: Tensor | None = None
+    episode_ids: Tensor | None = None
     dpo_pairs: DPOPairs | None = None
     index: int | None = None
     metrics: StepMetrics | None = None
@@ -131,7 +134,7 @@ class RolloutBatch:
             "behavior_logprobs",
             "teacher_positions",
         ]
-        per_sample = ["rewards", "has_reward", "group_ids", "has_teacher"]
+        per_sample = ["rewards", "has_reward", "group_ids", "has_teacher", "episode_ids"]
         for name in per_token:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B, T):

@@ -42,17 +42,22 @@ def _no_template(tokenizer: Any, what: str) -> ValueError:
 
 
 def render_ids(
-    tokenizer: Any, messages: list[Message], add_generation_prompt: bool = False
+    tokenizer: Any,
+    messages: list[Message],
+    add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template (no extra special tokens).
+    """Token ids of `messages` (and the `tools` specs shown to the model) under the tokenizer's
+    chat template (no extra special tokens).
 
     Raises:
         ValueError: the tokenizer has no chat template (one line naming it).
     """
     if not has_chat_template(tokenizer):
         raise _no_template(tokenizer, "a chat")
+    extra = {"tools": tools} if tools else {}
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -142,8 +147,11 @@ def single_turn_teacher(
     response_ids: list[int],
     hint: str,
     hint_role: str = "user",
+    tools: list[dict[str, Any]] | None = None,
 ) -> TeacherContext:
-    """Teacher context: `messages` + hint message, generation prompt, then the same response.
+    """Teacher context: `messages` + hint message, generation prompt, then the same response
+    (`tools`: the tool specs the student was shown). For turn t of an episode, `messages` is
+    turn t's context: the hint is spliced right before the turn it is about.
     Without a chat template (a base model, whose prompt is one plain-text user message):
     `prompt + BASE_HINT_SEPARATOR + hint + BASE_HINT_SEPARATOR`, then the same response.
 
@@ -156,7 +164,10 @@ def single_turn_teacher(
     """
     if has_chat_template(tokenizer):
         prompt = render_ids(
-            tokenizer, [*messages, hint_message(hint, hint_role)], add_generation_prompt=True
+            tokenizer,
+            [*messages, hint_message(hint, hint_role)],
+            add_generation_prompt=True,
+            tools=tools,
         )
     elif len(messages) == 1 and messages[0]["role"] == "user":
         sep = BASE_HINT_SEPARATOR

@@ -24,6 +24,7 @@ from composer_lightning.chat import TraceSample, problem_messages, single_turn_t
 from composer_lightning.datamodules.packing import pack_samples
 from composer_lightning.distributed import StepMetrics
 from composer_lightning.engines.base import Completion
+from composer_lightning.episodes import Episode, Turn
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
 from composer_lightning.tasks.calls import BadValue, as_hint, as_reward, hint_candidates
 
@@ -121,22 +122,24 @@ def _takes(fn: Any, name: str) -> bool:
 
 def rollout_sample(
     tokenizer: Any,
-    problem: dict[str, Any],
+    context: list[dict[str, Any]],
     prompt: list[int],
     c: Completion,
     hint: str | list[str] | None,
     hint_role: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> TraceSample:
-    """One single-turn rollout as a tokenised sample, hinted teacher context included: the
+    """One assistant turn as a tokenised sample: `prompt` (the ids before it: a single-turn
+    prompt, or turn t's whole context) ⊕ the turn's ids, the turn's tokens carrying loss, and
+    the hinted teacher context (`context` with the hint spliced right before the turn): the
     (first) hint's, and with a hint every candidate's, shortest hint first."""
     ids = list(prompt) + list(c.token_ids)
     response = [False] * len(prompt) + [True] * len(c.token_ids)
     hints = hint_candidates(hint)
     if not hints:
         return TraceSample(ids, response, None, [-1] * len(ids), [False] * len(ids), None)
-    messages = problem_messages(problem)
     contexts = {
-        h: single_turn_teacher(tokenizer, messages, c.token_ids, h, hint_role) for h in hints
+        h: single_turn_teacher(tokenizer, context, c.token_ids, h, hint_role, tools) for h in hints
     }
     by_length = sorted(hints, key=lambda h: len(contexts[h].teacher_ids))  # stable: ties in order
     teacher = contexts[hints[0]]
@@ -154,9 +157,24 @@ def rollout_sample(
     )
 
 
+def turn_problem(problem: dict[str, Any], turn: Turn, index: int) -> dict[str, Any]:
+    """What a score or hint provider sees of an episode's turn `index` that has a next state:
+    the problem's fields, with `messages` = the turn's context (the chat before it), plus
+    `next_state` (the messages that followed the turn), `tool_error` (the tool's error of the
+    turn, or None) and `turn` (its index). The completion passed beside it is the turn's text."""
+    obs = turn.next_state
+    return {
+        **problem,
+        "messages": turn.context,
+        "next_state": list(obs.messages) if obs is not None else [],
+        "tool_error": obs.tool_error if obs is not None else None,
+        "turn": index,
+    }
+
+
 def build_rollout(
     batch: dict[str, Any],
-    outs: list[list[Completion]],
+    episodes: list[list[Episode]],
     tokenizer: Any,
     max_tokens: int,
     score: ScoreProvider,
@@ -166,65 +184,121 @@ def build_rollout(
     samples_per_step: int,
     mask_truncated: bool = False,
 ) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
-    """Score, hint, dispatch and pack the surviving samples of one prompt batch.
+    """Score, hint, dispatch and pack the turns of one prompt batch's episodes.
 
-    With `mask_truncated` (TRL's `mask_truncated_completions`), a completion that reached
-    `max_tokens` without a stop token keeps its reward in its group's statistics but has no
-    token in any loss: its `response_mask` (and `sdpo_mask`) rows are all False.
+    Which signal reaches which tokens (DESIGN.md, "the agentic setting"):
+    - The episode's outcome — the environment's reward, or else the score provider on the
+      problem and the episode's final turn — is the reward of every turn of the episode, so
+      the GRPO advantage of the episode (group baseline over the G episodes of its problem,
+      `episode_ids`) reaches all its assistant tokens.
+    - Each turn gets its own hint: a turn with a next state goes to the hint provider as
+      (`turn_problem`: its context and next state, its text), the final turn as (problem, its
+      text) like a single-turn completion. The teacher context of turn t is turn t's context
+      with the hint spliced in, so OPD and SDPO act on turn t's tokens.
+    - The four-way dispatch is per turn: a turn with neither a reward nor a hint is dropped.
+    A failed episode (an environment error) is dropped whole and counted.
+
+    With `mask_truncated` (TRL's `mask_truncated_completions`), an episode that ran out of
+    tokens keeps its reward in its group's statistics but has no token in any loss.
 
     Returns:
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
-        (counts summed, means weighted by their samples, maxima); and one sample row (prompt,
-        completion, reward, hint) for each of the first `samples_per_step` prompts.
+        (counts summed, means weighted by their samples, maxima); and one row per prompt for
+        the first `samples_per_step` prompts (a single turn: prompt, completion, reward, hint;
+        an episode: its chat `messages`, each assistant turn with its reward and hint).
 
     Raises:
-        ScoringError: every score call failed, or every sample was dropped.
+        ScoringError: every episode failed, every score call failed, or every turn was
+            dropped.
     """
-    problems, prompts = batch["problems"], batch["prompt_ids"]
-    flat = [(i, c) for i, group in enumerate(outs) for c in group]
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
-    flat_problems = [problems[i] for i, _ in flat]
-    ids = [list(c.token_ids) for _, c in flat]
-    scores, failures = provider_values(score, "score", flat_problems, texts, ids)
-    hints, hint_failures = (
-        provider_values(hint, "hint", flat_problems, texts)
-        if hint is not None
-        else ([None] * len(flat), 0)
+    prompts = batch["prompt_ids"]
+    flat = [(i, ep) for i, group in enumerate(episodes) for ep in group]
+    failed = [ep for _, ep in flat if ep.status == "failed"]
+    if len(failed) == len(flat):
+        raise ScoringError(
+            f"every episode of rollout batch {batch['index']} failed (their errors are logged "
+            f"above; the first: {failed[0].error if failed else None})"
+        )
+    live = [(i, ep) for i, ep in flat if ep.status != "failed"]
+    # the outcome of each episode: the environment's reward, else the score provider's
+    ask = [k for k, (_, ep) in enumerate(live) if ep.reward is None]
+    finals = [live[k][1].turns[-1] for k in ask]
+    outcome, failures = provider_values(
+        score,
+        "score",
+        [live[k][1].problem for k in ask],
+        [t.text for t in finals],
+        [list(t.completion.token_ids) for t in finals],
     )
-    ScoringError.raise_if_all_failed(scores, failures)
-    keep, counts = dispatch([s is not None for s in scores], [h is not None for h in hints])
+    ScoringError.raise_if_all_failed(outcome, failures)
+    rewards: list[float | None] = [ep.reward for _, ep in live]
+    for k, value in zip(ask, outcome, strict=True):
+        rewards[k] = value
+    # one row per turn, hinted per turn
+    turns = [(e, t) for e, (_, ep) in enumerate(live) for t in range(len(ep.turns))]
+    hint_problems, hint_texts = [], []
+    for e, t in turns:
+        ep = live[e][1]
+        turn = ep.turns[t]
+        final = t == len(ep.turns) - 1 and not turn.has_next_state
+        hint_problems.append(ep.problem if final else turn_problem(ep.problem, turn, t))
+        hint_texts.append(turn.text)
+    hints, hint_failures = (
+        provider_values(hint, "hint", hint_problems, hint_texts)
+        if hint is not None
+        else ([None] * len(turns), 0)
+    )
+    keep, counts = dispatch(
+        [rewards[e] is not None for e, _ in turns], [h is not None for h in hints]
+    )
     if not keep:
         raise ScoringError(
             f"no sample of rollout batch {batch['index']} has a usable score or an accepted "
             "hint: every sample was dropped"
         )
-    samples = [
-        rollout_sample(
-            tokenizer, problems[flat[k][0]], prompts[flat[k][0]], flat[k][1], hints[k], hint_role
+    samples, kept = [], [turns[k] for k in keep]
+    for k, (e, t) in zip(keep, kept, strict=True):
+        ep = live[e][1]
+        turn = ep.turns[t]
+        samples.append(
+            rollout_sample(
+                tokenizer,
+                turn.context,
+                turn.context_ids,
+                turn.completion,
+                hints[k],
+                hint_role,
+                ep.tools,
+            )
         )
-        for k in keep
-    ]
+    P, G = len(prompts), group_size
+    episode_index = {id(ep): n for n, (_, ep) in enumerate(flat)}
     rollout = pack_samples(
         samples,
-        rewards=[scores[k] for k in keep],
-        group_ids=[int(batch["index"]) * len(prompts) + flat[k][0] for k in keep],
+        rewards=[rewards[e] for e, _ in kept],
+        group_ids=[int(batch["index"]) * P + live[e][0] for e, _ in kept],
         pad_id=tokenizer.pad_token_id or 0,
         max_response_length=max_tokens,
-        engine_logprobs=[[0.0] * len(prompts[flat[k][0]]) + flat[k][1].logprobs for k in keep],
+        engine_logprobs=[
+            [0.0] * len(live[e][1].turns[t].context_ids) + live[e][1].turns[t].completion.logprobs
+            for e, t in kept
+        ],
     )
-    truncated = torch.tensor([flat[k][1].finish_reason == "length" for k in keep])
+    rollout.episode_ids = torch.tensor(
+        [int(batch["index"]) * P * G + episode_index[id(live[e][1])] for e, _ in kept]
+    )
+    truncated = torch.tensor([live[e][1].status == "truncated" for e, _ in kept])
     if mask_truncated:
         rollout.response_mask &= ~truncated[:, None]
         rollout.sdpo_mask &= ~truncated[:, None]
-    rows = [  # the first sample of each of the first prompts: one row per prompt
-        {
-            "prompt": problem_messages(flat_problems[k])[-1]["content"],
-            "completion": texts[k],
-            "reward": scores[k],
-            "hint": (hint_candidates(hints[k]) or [None])[0],
-        }
-        | ({"hint_candidates": hints[k]} if len(hint_candidates(hints[k])) > 1 else {})
-        for k in range(0, len(flat), group_size)
+    turn_hints = {turns[k]: hints[k] for k in range(len(turns))}
+    rows = [
+        _row(
+            ep,
+            rewards[n] if ep.status != "failed" else None,
+            [turn_hints.get((n, t)) for t in range(len(ep.turns))] if ep.status != "failed" else [],
+        )
+        for n, ep in _first_of_groups(live, flat, G)
     ][:samples_per_step]
     for kind, count in (("score", failures), ("hint", hint_failures)):
         if count:
@@ -233,21 +307,33 @@ def build_rollout(
                 "samples get no %s",
                 batch["index"],
                 count,
-                len(flat),
+                len(ask) if kind == "score" else len(turns),
                 kind,
                 "reward" if kind == "score" else "hint",
             )
-    lengths = [len(c.token_ids) for _, c in flat]
-    rewarded = torch.tensor([s for s in scores if s is not None], dtype=torch.float)
-    n, r = float(len(flat)), float(len(rewarded))
+    if failed:
+        log.warning(
+            "rollout batch %s: %d of %d episodes failed (one line each above) and were dropped",
+            batch["index"],
+            len(failed),
+            len(flat),
+        )
+    completions = [
+        ep.turns[t].completion for e, (_, ep) in enumerate(live) for t in range(len(ep.turns))
+    ]
+    lengths = [len(c.token_ids) for c in completions]
+    rewarded = torch.tensor([r for r in rewards if r is not None], dtype=torch.float)
+    n, r = float(max(len(lengths), 1)), float(len(rewarded))
     metrics = StepMetrics()  # each with its reduction over ranks
     metrics.update(counts, kind="sum")
     metrics.mean("rollout/reward_mean", float(rewarded.mean()) if r else 0.0, weight=r)
     metrics.mean("rollout/reward_std", float(rewarded.std(unbiased=False)) if r else 0.0, weight=r)
     metrics.mean("rollout/response_length_mean", sum(lengths) / n, weight=n)
-    metrics.max("rollout/response_length_max", float(max(lengths)))
+    metrics.max("rollout/response_length_max", float(max(lengths, default=0)))
     metrics.mean(
-        "rollout/truncation_rate", sum(c.finish_reason == "length" for _, c in flat) / n, weight=n
+        "rollout/truncation_rate",
+        sum(c.finish_reason == "length" for c in completions) / n,
+        weight=n,
     )
     metrics.sum("rollout/masked_truncated", float(truncated.sum()) if mask_truncated else 0.0)
     metrics.sum("rollout/score_failures", float(failures))
@@ -257,7 +343,60 @@ def build_rollout(
         float(getattr(score, "truncated", 0) + getattr(hint, "truncated", 0)),
     )
     metrics.sum("rollout/tokens", float(sum(lengths)))
+    if any(len(ep.turns) > 1 or ep.tools for _, ep in flat):  # episodes of several turns
+        E = float(len(flat))
+        metrics.mean("episode/turns", sum(len(ep.turns) for _, ep in flat) / E, weight=E)
+        for status in ("failed", "truncated", "max_turns"):
+            metrics.sum(f"episode/{status}", float(sum(ep.status == status for _, ep in flat)))
+        metrics.sum(
+            "episode/tool_errors",
+            float(
+                sum(
+                    t.next_state is not None and t.next_state.tool_error is not None
+                    for _, ep in flat
+                    for t in ep.turns
+                )
+            ),
+        )
+        metrics.sum(
+            "episode/retokenized_differently",
+            float(sum(ep.retokenized_differently for _, ep in flat)),
+        )
     for provider in (score, hint):  # counts are per step
         if getattr(provider, "truncated", 0):
             provider.truncated = 0
     return rollout, metrics, rows
+
+
+def _first_of_groups(
+    live: list[tuple[int, Episode]], flat: list[tuple[int, Episode]], group_size: int
+) -> list[tuple[int, Episode]]:
+    """The first live episode of each problem, with its index among the live ones."""
+    seen, out = set(), []
+    for n, (i, ep) in enumerate(live):
+        if i not in seen:
+            seen.add(i)
+            out.append((n, ep))
+    return out
+
+
+def _row(ep: Episode, reward: float | None, hints: list[Any]) -> dict[str, Any]:
+    """One sample row of `rollouts.jsonl`: a single turn as (prompt, completion, reward, hint);
+    an episode as its chat, each assistant turn with its reward and hint."""
+    if len(ep.turns) == 1 and not ep.tools and not ep.turns[0].has_next_state:
+        h = hints[0] if hints else None
+        return {
+            "prompt": problem_messages(ep.problem)[-1]["content"],
+            "completion": ep.turns[0].text,
+            "reward": reward,
+            "hint": (hint_candidates(h) or [None])[0],
+        } | ({"hint_candidates": h} if len(hint_candidates(h)) > 1 else {})
+    messages, t = [], 0
+    for m in ep.messages:
+        m = {"role": m["role"], "content": m["content"]}
+        if m["role"] == "assistant" and t < len(ep.turns):
+            h = hints[t] if t < len(hints) else None
+            m |= {"reward": reward, "hint": (hint_candidates(h) or [None])[0]}
+            t += 1
+        messages.append(m)
+    return {"messages": messages, "reward": reward, "status": ep.status}

@@ -31,6 +31,7 @@ from torchmetrics import MeanMetric
 from composer_lightning.chat import problem_messages
 from composer_lightning.dispatch import provider_values
 from composer_lightning.engines.base import Completion, SamplingConfig
+from composer_lightning.episodes import Episode, one_turn_episodes
 from composer_lightning.tasks.base import Problem, ScoreProvider
 
 
@@ -51,6 +52,7 @@ def evaluate(
     k: int,
     seed: int,
     threshold: float = 1.0,
+    episodes: Callable[[list[list[int]], int, SamplingConfig], list[list[Episode]]] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Accuracy, pass@k, mean reward and mean response length of one batch of held-out prompts.
 
@@ -64,35 +66,44 @@ def evaluate(
         seed: the sampling seed (fixed per batch: evaluation is reproducible).
         threshold: a completion solves its prompt when its score is at least this; a
             completion without a score (None) does not.
+        episodes: `(prompts, n, sampling) -> episodes` for multi-turn tasks (`run_episodes`
+            on the batch's problems): an episode is scored by its environment's outcome or the
+            score provider on its final turn, its length is that of all its assistant turns.
+            None: one turn per completion of `generate`.
 
     Returns:
         Each figure as `(value, weight)`: the weight is the number of things it is a mean
         over (prompts; scored completions; completions), for the mean over batches and ranks.
     """
 
-    def scores(outs: list) -> list[list[float | None]]:
-        texts = [
-            [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
-            for group in outs
-        ]
-        flat, _ = provider_values(  # as training calls it (failures: per sample, not counted)
+    run = episodes or (
+        lambda ids, n, s: one_turn_episodes(problems, ids, generate(ids, n, s), tokenizer)
+    )
+
+    def scores(groups: list[list[Episode]]) -> list[list[float | None]]:
+        flat = [ep for group in groups for ep in group]
+        ask = [k for k, ep in enumerate(flat) if ep.reward is None and ep.status != "failed"]
+        values, _ = provider_values(  # as training calls it (failures: per sample, not counted)
             score,
             "score",
-            [p for p, group in zip(problems, texts, strict=True) for _ in group],
-            [t for group in texts for t in group],
-            [list(c.token_ids) for group in outs for c in group],
+            [flat[k].problem for k in ask],
+            [flat[k].turns[-1].text for k in ask],
+            [list(flat[k].turns[-1].completion.token_ids) for k in ask],
         )
-        it = iter(flat)
-        return [[next(it) for _ in group] for group in texts]
+        out: list[float | None] = [None if ep.status == "failed" else ep.reward for ep in flat]
+        for k, v in zip(ask, values, strict=True):
+            out[k] = v
+        it = iter(out)
+        return [[next(it) for _ in group] for group in groups]
 
     def solved(value: float | None) -> bool:
         return value is not None and value >= threshold
 
-    greedy = scores(generate(prompts, 1, replace(sampling, temperature=0.0, seed=seed)))
-    outs = generate(prompts, k, replace(sampling, seed=seed))
-    sampled = scores(outs)
+    greedy = scores(run(prompts, 1, replace(sampling, temperature=0.0, seed=seed)))
+    groups = run(prompts, k, replace(sampling, seed=seed))
+    sampled = scores(groups)
     rewards = [v for group in sampled for v in group if v is not None]
-    lengths = [len(c.token_ids) for group in outs for c in group]
+    lengths = [sum(len(t.completion.token_ids) for t in ep.turns) for g in groups for ep in g]
     n = float(len(prompts))
     return {
         "accuracy": (sum(solved(g[0]) for g in greedy) / n, n),

@@ -4,8 +4,10 @@ import torch
 from transformers import AutoTokenizer
 
 from composer_lightning.chat import tokenize_prompt
-from composer_lightning.dispatch import build_rollout, dispatch, provider_values
+from composer_lightning.dispatch import build_rollout as _build
+from composer_lightning.dispatch import dispatch, provider_values
 from composer_lightning.engines.base import Completion
+from composer_lightning.episodes import one_turn_episodes
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.tasks import HintProvider, ScoreProvider, VerifierScore
 
@@ -30,6 +32,12 @@ def test_dispatch_keeps_samples_with_a_score_or_a_hint_and_counts_each_path():
             "dispatch/dropped": 0.0,
         },
     )
+
+
+def build_rollout(batch, outs, tokenizer, *args, **kwargs):
+    """`dispatch.build_rollout` of single-turn completions (one-turn episodes)."""
+    episodes = one_turn_episodes(batch["problems"], batch["prompt_ids"], outs, tokenizer)
+    return _build(batch, episodes, tokenizer, *args, **kwargs)
 
 
 class _RaisingHints(HintProvider):

@@ -31,7 +31,6 @@ from composer_lightning.batch import RolloutBatch
 from composer_lightning.callbacks.generation import (
     generate_ahead,
     generate_in_group,
-    generate_on_rank,
     sampling_seed,
 )
 from composer_lightning.callbacks.samples import write_samples
@@ -49,6 +48,7 @@ from composer_lightning.engines.background import BackgroundEngine
 from composer_lightning.engines.base import EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.engines.fingerprint import Fingerprint, FingerprintRecorder
 from composer_lightning.engines.weights import iter_hf_weights
+from composer_lightning.episodes import one_turn_episodes, run_episodes, task_environments
 from composer_lightning.errors import ConfigError
 from composer_lightning.inputs import (
     check_minibatches,
@@ -59,6 +59,7 @@ from composer_lightning.inputs import (
 from composer_lightning.resume import Differences, same
 from composer_lightning.resume import line as resume_line
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, VerifierScore
+from composer_lightning.tasks.calls import check_timeout
 from composer_lightning.validation import evaluate
 
 
@@ -103,6 +104,11 @@ class RolloutCallback(L.Callback):
             but contributes no token to any loss (counted in `rollout/masked_truncated`).
         engine_timeout: with k > 0, seconds to wait for a batch before the engine process is
             declared hung and the run stops; None waits as long as it lives.
+        max_turns: assistant turns per episode at most (1: single-turn rollouts). A task's
+            `environment` answers each turn (`envs/`); see `episodes.py` for the loop.
+        max_episode_tokens: tokens per episode (prompt, turns and observations) at most; None:
+            the engine's context only.
+        env_timeout: seconds per environment call (reset, step) before its episode fails.
     """
 
     def __init__(
@@ -121,7 +127,16 @@ class RolloutCallback(L.Callback):
         max_staleness: int = 0,
         mask_truncated_completions: bool = False,
         engine_timeout: float | None = 1800.0,
+        max_turns: int = 1,
+        max_episode_tokens: int | None = None,
+        env_timeout: float | None = 30.0,
     ):
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        if max_episode_tokens is not None and max_episode_tokens < 1:
+            raise ValueError(f"max_episode_tokens must be >= 1 or None, got {max_episode_tokens}")
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.env_timeout = check_timeout(env_timeout, "rollout.env_timeout")
         if (
             isinstance(max_staleness, bool)
             or not isinstance(max_staleness, int)
@@ -195,6 +210,13 @@ class RolloutCallback(L.Callback):
             )
         if self._base_seed is None:  # drawn once, by rank 0: every rank samples from it
             self._base_seed = shared_seed()
+        if self.max_turns > 1 and (self.max_staleness or tp > 1):
+            raise ConfigError(
+                f"max_turns={self.max_turns} runs each episode's turns from this process "
+                f"(the environment answers between them); it is not supported with "
+                f"max_staleness={self.max_staleness} or tensor_parallel_size {tp}: use "
+                "max_staleness 0 and tensor_parallel_size 1 for multi-turn episodes"
+            )
         if self.max_staleness:
             if tp > 1:
                 raise ConfigError(
@@ -402,10 +424,19 @@ class RolloutCallback(L.Callback):
         seed = sampling_seed(
             self._base_seed + 10**9, batch_idx, rank, size, tp, prompts, self.val_samples
         )
+
+        def generate(prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list:
+            return generate_in_group(engine, prompts, n, sampling, self._tp_group)
+
+        episodes = None
+        if self.max_turns > 1:
+            dm = trainer.datamodule
+
+            def episodes(prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list:
+                return self._episodes(dm, generate, batch["problems"], prompts, n, sampling)
+
         batch["val"] = evaluate(
-            lambda prompts, n, sampling: generate_in_group(
-                engine, prompts, n, sampling, self._tp_group
-            ),
+            generate,
             self.val_score,
             tokenizer,
             batch["prompt_ids"],
@@ -414,6 +445,7 @@ class RolloutCallback(L.Callback):
             self.val_samples,
             seed,
             self.val_threshold,
+            episodes,
         )
 
     # ------------------------------------------------------------------ generate
@@ -439,6 +471,30 @@ class RolloutCallback(L.Callback):
         self._recompute_stale(pl_module, rollout)
         batch["rollout"] = rollout
         trainer.datamodule.consumed = int(batch["index"]) + 1
+
+    def _episodes(
+        self,
+        dm: Any,
+        generate: Any,
+        problems: list[dict[str, Any]],
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+    ) -> list:
+        """`n` episodes of each problem through `generate` (`episodes.run_episodes`)."""
+        return run_episodes(
+            generate,
+            problems,
+            prompts,
+            task_environments(getattr(dm, "task", None)),
+            dm.tokenizer,
+            sampling,
+            n,
+            self.max_turns,
+            self.max_episode_tokens,
+            None if self._context is None else self._context[0],
+            self.env_timeout,
+        )
 
     def _recompute_stale(self, pl_module: L.LightningModule, rollout: RolloutBatch) -> None:
         """The canary's trainer side of a stale batch: its first rows' log-probs at the
@@ -486,15 +542,19 @@ class RolloutCallback(L.Callback):
                 self.group_size,
             )
             metrics.max("rollout/wait_time", time.perf_counter() - start)
+            episodes = one_turn_episodes(batch["problems"], batch["prompt_ids"], outs, tokenizer)
         else:
-            outs = generate_on_rank(
-                self.engine,
+            rank, size = world()
+            tp = self.engine.tensor_parallel_size
+            turns = len(batch["prompt_ids"]) * tp * self.max_turns  # a seed range per turn
+            seed = sampling_seed(self._base_seed, step, rank, size, tp, turns, self.group_size)
+            episodes = self._episodes(
+                dm,
+                lambda prompts, n, s: generate_in_group(self.engine, prompts, n, s, self._tp_group),
+                batch["problems"],
                 batch["prompt_ids"],
-                sampling,
-                step,
-                self._base_seed,
                 self.group_size,
-                self._tp_group,
+                replace(sampling, seed=seed),
             )
             gen_time = time.perf_counter() - start
             read = getattr(self.engine, "weight_fingerprint", None)
@@ -510,7 +570,7 @@ class RolloutCallback(L.Callback):
         metrics.max("rollout/fingerprint_params", compared)
         rollout, built, self._samples = build_rollout(
             batch,
-            outs,
+            episodes,
             tokenizer,
             sampling.max_tokens,
             self.score,

@@ -3,7 +3,12 @@
 Heads are thin adapters over these functions; see DESIGN.md for the conventions.
 """
 
-from .advantages import dr_grpo_advantages, grpo_advantages, opd_advantages
+from .advantages import (
+    dr_grpo_advantages,
+    episode_advantages,
+    grpo_advantages,
+    opd_advantages,
+)
 from .chunked import (
     chunked_entropy_from_hidden,
     chunked_generalized_jsd,
@@ -23,6 +28,7 @@ __all__ = [
     "dpo_loss",
     "dpo_rewards",
     "dr_grpo_advantages",
+    "episode_advantages",
     "grpo_advantages",
     "entropy_from_logits",
     "generalized_jsd",

@@ -149,3 +149,42 @@ def opd_advantages(
     if gap_clip is not None:
         diff = diff.clamp(-gap_clip, gap_clip)
     return torch.where(mask, diff, torch.zeros_like(diff))
+
+
+def episode_advantages(
+    rewards: Tensor,  # [N] float
+    group_ids: Tensor,  # [N] long
+    episode_ids: Tensor,  # [N] long; the rows (turns) of one episode share an id
+    has_reward: Tensor | None = None,  # [N] bool or 0/1 float; None = all rewarded
+    scale_rewards: str = "none",
+    eps: float = 1e-4,
+) -> Tensor:  # [N]
+    """`grpo_advantages` of episodes whose turns are separate rows: each episode counts once in
+    its group's statistics (however many turns it has) and every row of it gets the episode's
+    advantage. With one row per episode this is `grpo_advantages` itself.
+
+    Raises:
+        ValueError: the rows of one episode disagree on their group, reward or `has_reward`.
+    """
+    check_same_shape(("rewards", rewards), ("episode_ids", episode_ids))
+    if episode_ids.is_floating_point() or episode_ids.dtype == torch.bool:
+        raise ValueError(f"episode_ids must be an integer tensor, got dtype {episode_ids.dtype}")
+    if rewards.numel() == 0:
+        return rewards.clone()
+    rewarded = (
+        torch.ones_like(rewards, dtype=torch.bool)
+        if has_reward is None
+        else as_bool_mask(has_reward)
+    )
+    _, episode = torch.unique(episode_ids, return_inverse=True)  # [N] in 0..E-1
+    E = int(episode.max()) + 1
+    first = torch.full((E,), rewards.numel(), dtype=torch.long, device=rewards.device)
+    first = first.scatter_reduce(
+        0, episode, torch.arange(rewards.numel(), device=rewards.device), "amin"
+    )
+    r = torch.where(rewarded, rewards, torch.zeros_like(rewards))
+    for name, values in (("group_ids", group_ids), ("rewards", r), ("has_reward", rewarded)):
+        if not torch.equal(values, values[first][episode]):
+            raise ValueError(f"the rows of one episode must share their {name}")
+    adv = grpo_advantages(r[first], group_ids[first], rewarded[first], scale_rewards, eps)
+    return adv[episode]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from composer_lightning.batch import RolloutBatch
-from composer_lightning.functional import grpo_advantages
+from composer_lightning.functional import episode_advantages, grpo_advantages
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import Schedule
 from composer_lightning.step import StepContext
@@ -14,6 +14,7 @@ from composer_lightning.step import StepContext
 
 class DrGRPOHead(Head):
     """`A_i = R_i − mean(rewarded R in group)`, broadcast over response tokens; 0 without reward.
+    Of an episode whose turns are rows (`episode_ids`), the episode's advantage on every turn.
 
     Args:
         scale_rewards: "none" (Dr. GRPO, default); "group" divides by the group's reward
@@ -41,7 +42,12 @@ class DrGRPOHead(Head):
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         rewards = batch.rewards.to(ctx.logprobs.dtype)
-        adv = grpo_advantages(rewards, batch.group_ids, batch.has_reward, self.scale_rewards)
+        if batch.episode_ids is None:
+            adv = grpo_advantages(rewards, batch.group_ids, batch.has_reward, self.scale_rewards)
+        else:  # an episode's turns are rows: the episode counts once in its group
+            adv = episode_advantages(
+                rewards, batch.group_ids, batch.episode_ids, batch.has_reward, self.scale_rewards
+            )
         active = batch.response_mask & batch.has_reward.unsqueeze(1)  # [B, T]
         advantages = adv.unsqueeze(1) * active
         return HeadOutput(

@@ -8,6 +8,7 @@ from composer_lightning.tasks.base import (
     ScoreProvider,
     ScoringError,
     Task,
+    ToolErrorHint,
     Verdict,
     VerifierHint,
     VerifierScore,
@@ -29,6 +30,8 @@ __all__ = [
     "ScoreProvider",
     "ScoringError",
     "Task",
+    "ToolErrorHint",
+    "NextStateJudgeHint",
     "Verdict",
     "VerifierHint",
     "VerifierScore",
@@ -37,7 +40,7 @@ __all__ = [
 
 
 def __getattr__(name: str):  # the judge imports the engine contract; keep it lazy
-    if name in ("LLMJudgeScore", "LLMJudgeHint"):
+    if name in ("LLMJudgeScore", "LLMJudgeHint", "NextStateJudgeHint"):
         from composer_lightning.tasks import judge
 
         return getattr(judge, name)

@@ -300,3 +300,28 @@ class FunctionHint(HintProvider):
         )
         self.failures += failures
         return values
+
+
+class ToolErrorHint(HintProvider):
+    """The tool's own error message as the hint of the turn that caused it, at no judge cost
+    (seed 000's hint at the erroneous tool turn, from the live rollout): a turn whose next
+    state carries a `tool_error` gets `template` with `{error}` replaced by it; every other
+    turn gets none.
+
+    Args:
+        template: the hint text around the error; default the error itself.
+    """
+
+    def __init__(self, template: str = "{error}") -> None:
+        if "{error}" not in template:
+            raise ValueError(f"ToolErrorHint template must contain '{{error}}', got {template!r}")
+        self.template = template
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        _check_lengths(problems, completions)
+        return [
+            None
+            if p.get("tool_error") is None
+            else self.template.replace("{error}", str(p["tool_error"]))
+            for p in problems
+        ]

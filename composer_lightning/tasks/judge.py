@@ -40,7 +40,9 @@ _SCORE = re.compile(r"SCORE:\s*([+-]?)\s*1(?!\d|\.\d)", re.IGNORECASE)
 _ANY_SCORE = re.compile(r"SCORE:", re.IGNORECASE)
 _HINT = re.compile(r"HINT:(.*)", re.IGNORECASE | re.DOTALL)
 _NO_HINT = {"none", "n/a", "na", "no hint"}
-_PLACEHOLDER = re.compile(r"\{(prompt|answer|response)\}")
+_PLACEHOLDER = re.compile(r"\{(prompt|answer|response|next_state)\}")
+_BOXED = re.compile(r"\\boxed\{\s*([+-]?\d+)\s*\}")
+_MARKED_HINT = re.compile(r"\[HINT_START\](.*?)\[HINT_END\]", re.DOTALL)
 
 
 def load_template(name: str) -> str:
@@ -86,6 +88,24 @@ def accepted_hint(hints: list[str | None]) -> str | None:
     if len(given) * 2 <= len(hints):
         return None
     return max(given, key=len)  # max keeps the first of equal lengths
+
+
+def parse_next_state_vote(text: str) -> tuple[int | None, str | None]:
+    """One vote of the next-state judge (OpenClaw-RL's shape): the last `\\boxed{1}` /
+    `\\boxed{-1}` / `\\boxed{0}` (+1, −1, 0; None without one) and the text between the
+    first `[HINT_START]` and `[HINT_END]`, stripped (None without markers)."""
+    boxed = _BOXED.findall(text)
+    vote = int(boxed[-1]) if boxed and boxed[-1].lstrip("+-") in ("0", "1") else None
+    marked = _MARKED_HINT.search(text)
+    return vote, (marked.group(1).strip() if marked else None)
+
+
+def next_state_hint(votes: list[tuple[int | None, str | None]], min_chars: int = 10) -> str | None:
+    """OpenClaw-RL's hint selection: among the votes that say +1 and give a hint of more than
+    `min_chars` characters, the longest (the first of equal lengths); None when there is none
+    (the turn gets no teacher)."""
+    valid = [h for v, h in votes if v == 1 and h is not None and len(h) > min_chars]
+    return max(valid, key=len) if valid else None
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
@@ -140,6 +160,7 @@ class _Judge:
             "prompt": render_chat(chat),
             "answer": str(problem.get("answer", "")),
             "response": completion,
+            "next_state": render_chat(problem.get("next_state") or []),
         }
         return _PLACEHOLDER.sub(lambda m: values[m.group(1)], self.template)
 
@@ -225,3 +246,33 @@ class LLMJudgeHint(_Judge, HintProvider):
         if texts is None:
             return [None] * len(problems)
         return [accepted_hint([parse_hint(t) for t in group]) for group in texts]
+
+
+class NextStateJudgeHint(_Judge, HintProvider):
+    """Hint provider from a turn's next state, with OpenClaw-RL's prompt shape: the judge reads
+    the turn together with the state that followed it, `(a_t, s_{t+1})`, `votes` times; each
+    vote is `\\boxed{1}` with a hint between `[HINT_START]` and `[HINT_END]`, or
+    `\\boxed{-1}`; the longest hint of more than `min_chars` characters among the +1 votes is
+    accepted (`next_state_hint`). A turn without a next state (the episode's last) costs no
+    judge call and gets no hint.
+
+    Args: as `LLMJudgeScore`; the default template is `templates/judge_next_state.txt`
+        (placeholders `{prompt}`: the turn's context, `{response}`, `{next_state}`).
+        min_chars: a shorter hint is not accepted.
+    """
+
+    default_template = "judge_next_state.txt"
+
+    def __init__(self, *args: Any, min_chars: int = 10, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.min_chars = min_chars
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        asked = [k for k, p in enumerate(problems) if p.get("next_state")]
+        out: list[str | None] = [None] * len(problems)
+        texts = self.vote_texts([problems[k] for k in asked], [completions[k] for k in asked])
+        if texts is None:
+            return out
+        for k, group in zip(asked, texts, strict=True):
+            out[k] = next_state_hint([parse_next_state_vote(t) for t in group], self.min_chars)
+        return out
