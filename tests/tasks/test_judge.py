@@ -177,3 +177,67 @@ def test_served_judge_reads_text_and_counts_truncated_votes() -> None:
     assert judge.truncated == 2
     with pytest.raises(ValueError, match="needs the judge model's tokenizer"):
         LLMJudgeScore(BrokenEngine(), votes=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "vote", "hint"),
+    [
+        (r"\boxed{1} [HINT_START] call add with a and b [HINT_END]", 1, "call add with a and b"),
+        (r"first \boxed{-1}, then \boxed{1}[HINT_START]x[HINT_END]", 1, "x"),
+        (r"\boxed{-1}", -1, None),
+        (r"\boxed{0}", 0, None),
+        (r"\boxed{2} [HINT_START] h [HINT_END]", None, "h"),
+        ("no decision", None, None),
+    ],
+)
+def test_next_state_votes_are_parsed_as_openclaw_writes_them(text, vote, hint):
+    from composer_lightning.tasks.judge import parse_next_state_vote
+
+    assert parse_next_state_vote(text) == (vote, hint)
+
+
+def test_the_next_state_judge_sees_the_turn_and_what_followed_and_keeps_the_longest_plus_one_hint(
+    tokenizer,
+):
+    """OpenClaw-RL's selection: among +1 votes with a hint of more than 10 characters, the
+    longest; a -1 vote's hint and a short one never count; a turn without a next state costs
+    no judge call."""
+    from composer_lightning.tasks import NextStateJudgeHint
+
+    short, longer = "use add(a=1, b=2)", "use add(a=1, b=2) with integer arguments"
+    engine = ScriptedEngine(
+        tokenizer,
+        [
+            [
+                rf"\boxed{{1}}[HINT_START]{short}[HINT_END]",
+                rf"\boxed{{-1}}[HINT_START]{longer} and more[HINT_END]",
+                rf"\boxed{{1}}[HINT_START]{longer}[HINT_END]",
+            ],
+            [r"\boxed{1}[HINT_START]too short[HINT_END]", r"\boxed{-1}", r"\boxed{0}"],
+        ],
+    )
+    judge = NextStateJudgeHint(engine, tokenizer, votes=3)
+    turn = {
+        "messages": [{"role": "user", "content": "What is 12+30?"}],
+        "next_state": [{"role": "tool", "content": "error: add() takes a and b"}],
+    }
+    last = {"messages": [{"role": "user", "content": "What is 12+30?"}]}  # no next state
+    hints = judge.hints([turn, last, turn], ["<tool_call>x</tool_call>", "42", "again"])
+    assert hints == [longer, None, None]
+    ((prompts, n, _),) = engine.calls
+    assert n == 3 and len(prompts) == 2  # the last turn was not sent
+    text = tokenizer.decode(prompts[0])
+    assert "user: What is 12+30?" in text and "<tool_call>x</tool_call>" in text
+    assert "tool: error: add() takes a and b" in text
+
+
+def test_a_tool_error_is_the_hint_of_the_turn_that_caused_it():
+    from composer_lightning.tasks import ToolErrorHint
+
+    turns = [{"tool_error": "error: b missing"}, {"tool_error": None}, {}]
+    assert ToolErrorHint().hints(turns, ["a", "b", "c"]) == ["error: b missing", None, None]
+    assert ToolErrorHint("The tool said: {error}").hints(turns[:1], ["a"]) == [
+        "The tool said: error: b missing"
+    ]
+    with pytest.raises(ValueError, match="must contain '\\{error\\}'"):
+        ToolErrorHint("no placeholder")
