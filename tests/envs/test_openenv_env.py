@@ -101,6 +101,16 @@ def echo_server(tmp_path_factory):
     sys.path.remove(str(out))
 
 
+@pytest.fixture
+def closing():
+    """Closes the test's sessions and episodes, so that a failed test (which leaves one open)
+    does not hold the server's single session slot for the next."""
+    opened = []
+    yield opened.append
+    for thing in opened:
+        thing.close()
+
+
 def call(name: str, arguments: dict) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
@@ -122,12 +132,13 @@ def harness_run(factory, turns, task):
         session.close()
 
 
-def test_episode_matches_openenv_loop(echo_server):
+def test_episode_matches_openenv_loop(echo_server, closing):
     """hello (5 chars) echoes with reward 0.5; a malformed call and an unknown tool are tool
     errors that leave the episode running; the final answer ends it with the last reward."""
     factory = EchoSessions(*echo_server)
     task = {"prompt": "Echo 'hello', then stop."}
     env = OpenEnvEpisode(factory)
+    closing(env)
     assert isinstance(env, Environment)
 
     opening = env.reset({"openenv_task": task, "seed": 3})
@@ -177,6 +188,7 @@ def test_episode_matches_openenv_loop(echo_server):
     assert env.session is None  # closed with the episode
     # OpenEnv's own session raises the error the adapter reported; its loop would stop on it.
     session = factory.create(task=task)
+    closing(session)
     with pytest.raises(KeyError, match="Unknown tool: shout"):
         session.call_tool("shout", {"message": "hi"})
     session.close()
@@ -184,11 +196,12 @@ def test_episode_matches_openenv_loop(echo_server):
         env.step({"role": "assistant", "content": "more"})
 
 
-def test_max_turns_ends_with_the_environments_reward(echo_server):
+def test_max_turns_ends_with_the_environments_reward(echo_server, closing):
     """The echo environment never ends an episode: the turn limit does, with the reward of
     the last echo (3 chars: 0.3), as OpenEnv's loop does at the same limit."""
     factory = EchoSessions(*echo_server)
     env = OpenEnvEpisode(factory, max_turns=2)
+    closing(env)
     env.reset({"openenv_task": None})
     assert not env.step(
         {"role": "assistant", "content": call("echo_message", {"message": "abcd"})}
@@ -203,12 +216,13 @@ def test_max_turns_ends_with_the_environments_reward(echo_server):
         return ModelStepResult(response=LLMResponse(content="", tool_calls=calls))
 
     session = factory.create()
+    closing(session)
     rollout = MCPHarnessAdapter().run_white_box(model_step, session, HarnessRunLimits(max_turns=2))
     assert _resolve_env_reward(rollout, session.verify(rollout.messages)) == pytest.approx(0.3)
     session.close()
 
 
-def test_task_draws_episodes_by_dotted_path(echo_server):
+def test_task_draws_episodes_by_dotted_path(echo_server, closing):
     """`get_task` (what `RolloutDataModule(task=..., task_args=...)` calls) builds the task;
     its problems carry the drawn OpenEnv task and a seed, and its environment plays them."""
     base_url, package_dir = echo_server
@@ -225,6 +239,7 @@ def test_task_draws_episodes_by_dotted_path(echo_server):
     assert {p["openenv_task"]["prompt"] for p in problems} <= {"Echo 'a'.", "Echo 'bb'."}
     assert all(p["task"] == "composer_lightning.envs.openenv_env.OpenEnvTask" for p in problems)
     env = task.environment(problems[0])
+    closing(env)
     assert env.reset(problems[0])[1]["content"] == problems[0]["openenv_task"]["prompt"]
     env.step({"role": "assistant", "content": call("echo_message", {"message": "bb"})})
     assert env.step({"role": "assistant", "content": "done"}).reward == pytest.approx(0.2)
