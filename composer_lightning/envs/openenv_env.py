@@ -1,0 +1,309 @@
+"""OpenEnv environments as episode environments (`pip install composer-lightning[agents]`).
+
+OpenEnv (`openenv-core`, the environment standard TRL trains on) gives a tool-calling rollout
+one `ResourceSession` per episode, made by a `ResourceSessionFactory`: `initial_messages()`,
+`list_tools()`, `call_tool(name, arguments) -> ToolResult`, `verify(transcript) ->
+VerifyResult`. Its own white-box loop (`openenv.core.harness.MCPHarnessAdapter.run_white_box`)
+owns the turns; `OpenEnvEpisode` replays that loop one assistant message at a time, so that
+our episode loop owns the turns instead:
+
+- `tools`: the session's MCP tool manifest as OpenAI function specs.
+- `reset`: a fresh session on the problem's OpenEnv task and seed; its initial messages.
+- `step`: an assistant message without tool calls ends the episode; otherwise each call is
+  run and answered by a `tool` message (content: the result's data, serialized as OpenEnv
+  does); a result with `done`, or the turn / tool-call limits, end it.
+- reward at the end: the environment's own, resolved as OpenEnv's rollout function does (the
+  last tool result that carries one, else `verify(...).env_reward`); None when it gave none.
+- `tool_error`: the result's `error`, or why the call could not be made (unparseable call,
+  unknown tool, bad arguments). OpenEnv's loop would raise on the last two; here they are the
+  turn's tool error, so that one bad call is a lesson for the policy, not a crashed batch.
+
+Tool calls are read from the message's `tool_calls` (OpenAI format) when it has them, else
+from `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in its text (the format
+of the Qwen / Hermes chat templates).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from composer_lightning.envs.base import Message, Observation
+from composer_lightning.tasks.base import Problem, Task, Verdict
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of an assistant message; `error` says why it cannot be made."""
+
+    id: str
+    name: str | None
+    arguments: dict[str, Any]
+    error: str | None = None
+
+
+def parse_tool_calls(message: Message, turn: int = 0) -> list[ToolCall]:
+    """The tool calls of an assistant message (see the module docstring for the formats).
+
+    Args:
+        message: `{"role": "assistant", "content": text}`, optionally with `tool_calls`.
+        turn: the turn's index, for the ids of calls parsed from text.
+
+    Returns:
+        One `ToolCall` per call; a call whose JSON does not parse into a name and an arguments
+        object has `error` set instead of failing the turn.
+    """
+    raw: list[tuple[str, Any]] = []
+    if message.get("tool_calls"):
+        for i, call in enumerate(message["tool_calls"]):
+            fn = call.get("function", call)
+            raw.append((call.get("id") or f"call_{turn}_{i}", fn))
+    else:
+        for i, block in enumerate(_TOOL_CALL.findall(message.get("content") or "")):
+            raw.append((f"call_{turn}_{i}", block.strip()))
+    return [_tool_call(call_id, fn) for call_id, fn in raw]
+
+
+def _tool_call(call_id: str, fn: Any) -> ToolCall:
+    try:
+        if isinstance(fn, str):
+            fn = json.loads(fn)
+        name, args = fn["name"], fn.get("arguments", {})
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise TypeError("'name' must be a string and 'arguments' an object")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return ToolCall(call_id, None, {}, f"malformed tool call: {type(err).__name__}: {err}")
+    return ToolCall(call_id, name, args)
+
+
+def openai_tool_spec(tool: Any) -> dict[str, Any]:
+    """An OpenEnv / MCP `Tool` (name, description, input_schema) as an OpenAI function spec."""
+    schema = dict(tool.input_schema or {}) or {"type": "object", "properties": {}}
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": schema},
+    }
+
+
+def _serialize(value: Any) -> str:
+    # As OpenEnv's harness writes a tool result into the chat.
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def _result_reward(result: Any) -> float | None:
+    # The reward a tool result already carries (OpenEnv's harness reads the same two places).
+    reward = result.metadata.get("reward")
+    if reward is None and isinstance(result.data, dict):
+        reward = result.data.get("reward")
+    return None if reward is None else float(reward)
+
+
+class OpenEnvEpisode:
+    """One episode of an OpenEnv `ResourceSession` behind our `Environment` protocol.
+
+    Args:
+        factory: the OpenEnv `ResourceSessionFactory` that makes the episode's session.
+        max_turns: assistant turns before the episode ends (OpenEnv's `HarnessRunLimits`).
+        max_tool_calls_per_turn: calls run per turn, the rest dropped (None: all).
+        max_total_tool_calls: calls in the whole episode; the one past it ends the episode
+            unanswered (None: no limit).
+    """
+
+    def __init__(
+        self,
+        factory: Any,
+        *,
+        max_turns: int = 10,
+        max_tool_calls_per_turn: int | None = None,
+        max_total_tool_calls: int | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns!r}")
+        self.factory = factory
+        self.max_turns = max_turns
+        self.max_tool_calls_per_turn = max_tool_calls_per_turn
+        self.max_total_tool_calls = max_total_tool_calls
+        self.tools: list[dict[str, Any]] | None = None
+        self.session: Any = None
+        self.transcript: list[Message] = []
+        self._turns = 0
+        self._tool_calls = 0
+        self._reward: float | None = None  # the last tool result's own reward
+        self._done = False
+
+    def reset(self, problem: dict[str, Any]) -> list[Message]:
+        self.close()
+        self.session = self.factory.create(
+            task=problem.get("openenv_task"),
+            seed=problem.get("seed"),
+            episode_id=problem.get("episode_id"),
+        )
+        self.tools = [openai_tool_spec(t) for t in self.session.list_tools()] or None
+        messages = list(self.session.initial_messages())
+        self.transcript = list(messages)
+        self._turns = self._tool_calls = 0
+        self._reward, self._done = None, False
+        return messages
+
+    def step(self, message: Message) -> Observation:
+        if self.session is None or self._done:
+            raise RuntimeError("step() needs reset() first, and none after the episode ended")
+        calls = parse_tool_calls(message, self._turns)
+        self._turns += 1
+        self.transcript.append(_assistant_message(message, calls))
+        if not calls:
+            return self._end([], None)
+        if self.max_tool_calls_per_turn is not None:
+            calls = calls[: self.max_tool_calls_per_turn]
+        replies: list[Message] = []
+        errors: list[str] = []
+        done = False
+        for call in calls:
+            if self.max_total_tool_calls is not None and (
+                self._tool_calls >= self.max_total_tool_calls
+            ):
+                return self._end(replies, _joined(errors), truncated=True)
+            self._tool_calls += 1
+            content, error, done = self._run(call)
+            reply = {"role": "tool", "tool_call_id": call.id, "content": content}
+            if call.name is not None:
+                reply["name"] = call.name
+            replies.append(reply)
+            if error is not None:
+                errors.append(error)
+            if done:
+                break
+        if done or self._turns >= self.max_turns:
+            return self._end(replies, _joined(errors))
+        self.transcript.extend(replies)
+        return Observation(messages=replies, info={"tool_error": _joined(errors)})
+
+    def _run(self, call: ToolCall) -> tuple[str, str | None, bool]:
+        """(the tool message's content, the tool error, done) of one call."""
+        if call.error is not None:
+            return call.error, call.error, False
+        try:
+            result = self.session.call_tool(call.name, dict(call.arguments))
+        except Exception as err:  # noqa: BLE001 - the tool's failure is the turn's information
+            error = f"{type(err).__name__}: {err}"
+            return error, error, False
+        reward = _result_reward(result)
+        if reward is not None:
+            self._reward = reward
+        error = None if result.error is None else str(result.error)
+        content = _serialize(result.data) if result.data is not None else (error or "")
+        return content, error, bool(result.done)
+
+    def _end(self, replies: list[Message], error: str | None, **metrics: Any) -> Observation:
+        self.transcript.extend(replies)
+        self._done = True
+        verify = self.session.verify(self.transcript)
+        reward = self._reward
+        if reward is None and verify.env_reward is not None:
+            reward = float(verify.env_reward)
+        info = {"tool_error": error, "metrics": {**dict(verify.metrics), **metrics}}
+        self.close()
+        return Observation(messages=replies, done=True, reward=reward, info=info)
+
+    def close(self) -> None:
+        """Release the session (also done when the episode ends)."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+def _assistant_message(message: Message, calls: Sequence[ToolCall]) -> Message:
+    # The transcript's assistant message in OpenAI form, as OpenEnv's harness records it.
+    out: Message = {"role": "assistant", "content": message.get("content") or ""}
+    valid = [c for c in calls if c.error is None]
+    if valid:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in valid
+        ]
+    return out
+
+
+def _joined(errors: list[str]) -> str | None:
+    return "\n".join(errors) if errors else None
+
+
+def _import(path: str) -> Callable[..., Any]:
+    module, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module:
+        raise ValueError(f"not a dotted path: {path!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+class OpenEnvTask(Task):
+    """Episodes of an OpenEnv environment: problems from its task list, rewards from it.
+
+    Args:
+        factory: dotted path (`pkg.module.Name` or `pkg.module:Name`) of a class or function
+            that returns an OpenEnv `ResourceSessionFactory`.
+        factory_args: keyword arguments of `factory`.
+        tasks: the environment's task payloads (passed to `factory.create(task=...)`), one
+            drawn per problem; None: every episode is `create(task=None)` on a fresh seed.
+        max_turns: assistant turns per episode.
+        max_tool_calls_per_turn: tool calls run per turn (None: all).
+        max_total_tool_calls: tool calls per episode (None: no limit).
+    """
+
+    name = "openenv"
+
+    def __init__(
+        self,
+        factory: str,
+        factory_args: dict[str, Any] | None = None,
+        tasks: list[Any] | None = None,
+        *,
+        max_turns: int = 10,
+        max_tool_calls_per_turn: int | None = None,
+        max_total_tool_calls: int | None = None,
+    ) -> None:
+        self.factory = _import(factory)(**(factory_args or {}))
+        self.tasks = list(tasks) if tasks is not None else None
+        if self.tasks == []:
+            raise ValueError("OpenEnvTask: tasks is empty (None: draw seeds instead)")
+        self.episode_args = {
+            "max_turns": max_turns,
+            "max_tool_calls_per_turn": max_tool_calls_per_turn,
+            "max_total_tool_calls": max_total_tool_calls,
+        }
+        OpenEnvEpisode(self.factory, **self.episode_args)  # checks the limits now
+
+    def sample(self, rng: random.Random) -> Problem:
+        task = None if self.tasks is None else self.tasks[rng.randrange(len(self.tasks))]
+        # The opening chat is the session's (`reset`); a task payload's own messages, if it
+        # has them, are the problem's record of it.
+        messages = list(task.get("messages", [])) if isinstance(task, dict) else []
+        return {
+            "messages": messages,
+            "task": f"{type(self).__module__}.{type(self).__qualname__}",
+            "openenv_task": task,
+            "seed": rng.randrange(2**31),
+        }
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        raise NotImplementedError(
+            "an OpenEnv episode's reward is the environment's own (Observation.reward at the "
+            "end of the episode); there is no separate verifier"
+        )
+
+    def environment(self, problem: Problem) -> OpenEnvEpisode:
+        return OpenEnvEpisode(self.factory, **self.episode_args)
