@@ -183,6 +183,7 @@ def build_rollout(
     group_size: int,
     samples_per_step: int,
     mask_truncated: bool = False,
+    turn_score: ScoreProvider | None = None,
 ) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the turns of one prompt batch's episodes.
 
@@ -195,6 +196,9 @@ def build_rollout(
       (`turn_problem`: its context and next state, its text), the final turn as (problem, its
       text) like a single-turn completion. The teacher context of turn t is turn t's context
       with the hint spliced in, so OPD and SDPO act on turn t's tokens.
+    - With `turn_score` (e.g. `NextStateJudgeScore`, OpenClaw-RL's PRM on `(a_t, s_{t+1})`),
+      a turn with a next state is rewarded by it instead, as a sample of its own in its
+      group's baseline (its own `episode_ids` entry); the final turn keeps the outcome.
     - The four-way dispatch is per turn: a turn with neither a reward nor a hint is dropped.
     A failed episode (an environment error) is dropped whole and counted.
 
@@ -234,7 +238,7 @@ def build_rollout(
     rewards: list[float | None] = [ep.reward for _, ep in live]
     for k, value in zip(ask, outcome, strict=True):
         rewards[k] = value
-    # one row per turn, hinted per turn
+    # one row per turn, hinted (and with `turn_score`, scored) per turn
     turns = [(e, t) for e, (_, ep) in enumerate(live) for t in range(len(ep.turns))]
     hint_problems, hint_texts = [], []
     for e, t in turns:
@@ -243,14 +247,26 @@ def build_rollout(
         final = t == len(ep.turns) - 1 and not turn.has_next_state
         hint_problems.append(ep.problem if final else turn_problem(ep.problem, turn, t))
         hint_texts.append(turn.text)
+    row_rewards = [rewards[e] for e, _ in turns]
+    own = [False] * len(turns)  # rewarded as a sample of its own
+    if turn_score is not None:
+        scored = [k for k, (e, t) in enumerate(turns) if live[e][1].turns[t].has_next_state]
+        values, turn_failures = provider_values(
+            turn_score,
+            "score",
+            [hint_problems[k] for k in scored],
+            [hint_texts[k] for k in scored],
+            [list(live[turns[k][0]][1].turns[turns[k][1]].completion.token_ids) for k in scored],
+        )
+        failures += turn_failures
+        for k, value in zip(scored, values, strict=True):
+            row_rewards[k], own[k] = value, True
     hints, hint_failures = (
         provider_values(hint, "hint", hint_problems, hint_texts)
         if hint is not None
         else ([None] * len(turns), 0)
     )
-    keep, counts = dispatch(
-        [rewards[e] is not None for e, _ in turns], [h is not None for h in hints]
-    )
+    keep, counts = dispatch([r is not None for r in row_rewards], [h is not None for h in hints])
     if not keep:
         raise ScoringError(
             f"no sample of rollout batch {batch['index']} has a usable score or an accepted "
@@ -271,11 +287,11 @@ def build_rollout(
                 ep.tools,
             )
         )
-    P, G = len(prompts), group_size
+    P = len(prompts)
     episode_index = {id(ep): n for n, (_, ep) in enumerate(flat)}
     rollout = pack_samples(
         samples,
-        rewards=[rewards[e] for e, _ in kept],
+        rewards=[row_rewards[k] for k in keep],
         group_ids=[int(batch["index"]) * P + live[e][0] for e, _ in kept],
         pad_id=tokenizer.pad_token_id or 0,
         max_response_length=max_tokens,
@@ -284,21 +300,20 @@ def build_rollout(
             for e, t in kept
         ],
     )
-    rollout.episode_ids = torch.tensor(
-        [int(batch["index"]) * P * G + episode_index[id(live[e][1])] for e, _ in kept]
+    rollout.episode_ids = torch.tensor(  # unique within the batch, where advantages are taken
+        [
+            len(flat) + k if own[k] else episode_index[id(live[e][1])]
+            for k, (e, _) in zip(keep, kept, strict=True)
+        ]
     )
     truncated = torch.tensor([live[e][1].status == "truncated" for e, _ in kept])
     if mask_truncated:
         rollout.response_mask &= ~truncated[:, None]
         rollout.sdpo_mask &= ~truncated[:, None]
-    turn_hints = {turns[k]: hints[k] for k in range(len(turns))}
+    by_turn = {turns[k]: (row_rewards[k], hints[k]) for k in range(len(turns))}
     rows = [
-        _row(
-            ep,
-            rewards[n] if ep.status != "failed" else None,
-            [turn_hints.get((n, t)) for t in range(len(ep.turns))] if ep.status != "failed" else [],
-        )
-        for n, ep in _first_of_groups(live, flat, G)
+        _row(ep, rewards[n], [by_turn[(n, t)] for t in range(len(ep.turns))])
+        for n, ep in _first_of_groups(live)
     ][:samples_per_step]
     for kind, count in (("score", failures), ("hint", hint_failures)):
         if count:
@@ -368,9 +383,7 @@ def build_rollout(
     return rollout, metrics, rows
 
 
-def _first_of_groups(
-    live: list[tuple[int, Episode]], flat: list[tuple[int, Episode]], group_size: int
-) -> list[tuple[int, Episode]]:
+def _first_of_groups(live: list[tuple[int, Episode]]) -> list[tuple[int, Episode]]:
     """The first live episode of each problem, with its index among the live ones."""
     seen, out = set(), []
     for n, (i, ep) in enumerate(live):
@@ -380,11 +393,13 @@ def _first_of_groups(
     return out
 
 
-def _row(ep: Episode, reward: float | None, hints: list[Any]) -> dict[str, Any]:
+def _row(
+    ep: Episode, reward: float | None, turns: list[tuple[float | None, Any]]
+) -> dict[str, Any]:
     """One sample row of `rollouts.jsonl`: a single turn as (prompt, completion, reward, hint);
-    an episode as its chat, each assistant turn with its reward and hint."""
+    an episode as its chat, each assistant turn with its reward and hint (`turns`)."""
     if len(ep.turns) == 1 and not ep.tools and not ep.turns[0].has_next_state:
-        h = hints[0] if hints else None
+        h = turns[0][1]
         return {
             "prompt": problem_messages(ep.problem)[-1]["content"],
             "completion": ep.turns[0].text,
@@ -394,9 +409,9 @@ def _row(ep: Episode, reward: float | None, hints: list[Any]) -> dict[str, Any]:
     messages, t = [], 0
     for m in ep.messages:
         m = {"role": m["role"], "content": m["content"]}
-        if m["role"] == "assistant" and t < len(ep.turns):
-            h = hints[t] if t < len(hints) else None
-            m |= {"reward": reward, "hint": (hint_candidates(h) or [None])[0]}
+        if m["role"] == "assistant" and t < len(turns):
+            value, h = turns[t]
+            m |= {"reward": value, "hint": (hint_candidates(h) or [None])[0]}
             t += 1
         messages.append(m)
     return {"messages": messages, "reward": reward, "status": ep.status}

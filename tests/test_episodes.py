@@ -314,3 +314,36 @@ def test_the_engines_ids_are_kept_when_the_tokenizer_would_spell_the_turn_differ
     second = ep.turns[1].context_ids
     assert second[len(prompt) : len(prompt) + len(spelled)] == spelled
     assert ep.retokenized_differently and second != render_ids(TOK, ep.turns[1].context, True)
+
+
+class _TurnScore:
+    """A per-turn score that reads the next state: +1 after a tool result, −1 after an error."""
+
+    failures = 0
+
+    def score(self, problems, completions):
+        return [-1.0 if p.get("tool_error") else 1.0 for p in problems]
+
+
+def test_a_turn_score_rewards_each_turn_with_a_next_state_as_its_own_sample():
+    eps = run_episodes(
+        scripted([["CALL bad", "CALL good", "5"]]),
+        [PROBLEM],
+        [render_ids(TOK, PROBLEM["messages"], True)],
+        lambda p: ToolEnv(),
+        TOK,
+        SAMPLING,
+        1,
+        max_turns=3,
+    )
+    rb, _, rows = build_rollout(
+        _batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 1, 1, turn_score=_TurnScore()
+    )
+    assert rb.rewards.tolist() == [-1.0, 1.0, 1.0]  # the error turn, the call, the outcome
+    ids = rb.episode_ids.tolist()
+    assert len(set(ids)) == 3  # each per-turn-scored turn is a sample of its own
+    assert [m.get("reward") for m in rows[0]["messages"] if m["role"] == "assistant"] == [
+        -1.0,
+        1.0,
+        1.0,
+    ]

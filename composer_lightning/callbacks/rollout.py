@@ -109,6 +109,9 @@ class RolloutCallback(L.Callback):
         max_episode_tokens: tokens per episode (prompt, turns and observations) at most; None:
             the engine's context only.
         env_timeout: seconds per environment call (reset, step) before its episode fails.
+        turn_score: a score provider of the turns that have a next state (e.g.
+            `NextStateJudgeScore`, the PRM on `(a_t, s_{t+1})`): such a turn is rewarded by it
+            as a sample of its own; None: every turn gets its episode's outcome.
     """
 
     def __init__(
@@ -130,7 +133,9 @@ class RolloutCallback(L.Callback):
         max_turns: int = 1,
         max_episode_tokens: int | None = None,
         env_timeout: float | None = 30.0,
+        turn_score: ScoreProvider | None = None,
     ):
+        self.turn_score = turn_score
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         if max_episode_tokens is not None and max_episode_tokens < 1:
@@ -579,6 +584,7 @@ class RolloutCallback(L.Callback):
             self.group_size,
             self.samples_per_step,
             self.mask_truncated_completions,
+            self.turn_score,
         )
         rollout.policy_version = version
         rollout.engine_dtype = getattr(self.engine, "dtype", None)  # the canary's threshold

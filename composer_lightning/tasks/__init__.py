@@ -32,6 +32,7 @@ __all__ = [
     "Task",
     "ToolErrorHint",
     "NextStateJudgeHint",
+    "NextStateJudgeScore",
     "Verdict",
     "VerifierHint",
     "VerifierScore",
@@ -40,7 +41,12 @@ __all__ = [
 
 
 def __getattr__(name: str):  # the judge imports the engine contract; keep it lazy
-    if name in ("LLMJudgeScore", "LLMJudgeHint", "NextStateJudgeHint"):
+    if name in (
+        "LLMJudgeScore",
+        "LLMJudgeHint",
+        "NextStateJudgeHint",
+        "NextStateJudgeScore",
+    ):
         from composer_lightning.tasks import judge
 
         return getattr(judge, name)

@@ -276,3 +276,27 @@ class NextStateJudgeHint(_Judge, HintProvider):
         for k, group in zip(asked, texts, strict=True):
             out[k] = next_state_hint([parse_next_state_vote(t) for t in group], self.min_chars)
         return out
+
+
+class NextStateJudgeScore(_Judge, ScoreProvider):
+    """Score provider from a turn's next state: OpenClaw-RL's PRM evaluation. The judge reads
+    `(a_t, s_{t+1})` `votes` times; each vote is `\\boxed{1}`, `\\boxed{-1}` or `\\boxed{0}`;
+    a strict majority of +1 scores +1.0, of −1 scores −1.0 (OpenClaw-RL's ±1 reward: with one
+    sample per group there is no baseline, so a bad turn must score below 0); otherwise None
+    (no usable score). A turn without a next state costs no call and gets no score.
+
+    Args: as `LLMJudgeScore`; the default template is `templates/judge_next_state_score.txt`.
+    """
+
+    default_template = "judge_next_state_score.txt"
+
+    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
+        asked = [k for k, p in enumerate(problems) if p.get("next_state")]
+        out: list[float | None] = [None] * len(problems)
+        texts = self.vote_texts([problems[k] for k in asked], [completions[k] for k in asked])
+        if texts is None:
+            return out
+        for k, group in zip(asked, texts, strict=True):
+            value = majority_score([parse_next_state_vote(t)[0] for t in group])
+            out[k] = None if value is None else 2.0 * value - 1.0
+        return out

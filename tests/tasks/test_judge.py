@@ -241,3 +241,20 @@ def test_a_tool_error_is_the_hint_of_the_turn_that_caused_it():
     ]
     with pytest.raises(ValueError, match="must contain '\\{error\\}'"):
         ToolErrorHint("no placeholder")
+
+
+def test_the_next_state_prm_scores_plus_or_minus_one_on_a_strict_majority(tokenizer):
+    from composer_lightning.tasks import NextStateJudgeScore
+
+    engine = ScriptedEngine(
+        tokenizer,
+        [
+            [r"\boxed{1}", r"\boxed{1}", r"\boxed{-1}"],
+            [r"\boxed{-1}", r"bad \boxed{-1}", r"\boxed{0}"],
+            [r"\boxed{1}", r"\boxed{0}", "nothing"],
+        ],
+    )
+    judge = NextStateJudgeScore(engine, tokenizer, votes=3)
+    turn = {"messages": [], "next_state": [{"role": "user", "content": "no, 42"}]}
+    scores = judge.score([turn, {"messages": []}, turn, turn], ["a", "b", "c", "d"])
+    assert scores == [1.0, None, -1.0, None]  # the second has no next state: no call
