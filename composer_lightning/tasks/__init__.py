@@ -29,6 +29,7 @@ __all__ = [
     "ScoreProvider",
     "ScoringError",
     "Task",
+    "ToolCalc",
     "Verdict",
     "VerifierHint",
     "VerifierScore",
@@ -36,9 +37,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # the judge imports the engine contract; keep it lazy
+def __getattr__(name: str):  # the judge (engine contract) and tool_calc (transformers): lazy
     if name in ("LLMJudgeScore", "LLMJudgeHint"):
         from composer_lightning.tasks import judge
 
         return getattr(judge, name)
+    if name == "ToolCalc":
+        from composer_lightning.tasks.tool_calc import ToolCalc
+
+        return ToolCalc
     raise AttributeError(name)
