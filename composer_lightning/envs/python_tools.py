@@ -162,7 +162,7 @@ class PythonToolEnv:
         ):
             return "", (
                 f"Tool call error: expected a JSON object with keys 'name' and 'arguments' (an "
-                f"object), got {bodies[0].strip()}."
+                f"object), {CALL_FORMAT}, got {bodies[0].strip()}."
             )
         name = call["name"]
         fn = self.functions.get(name) if isinstance(name, str) else None
