@@ -7,6 +7,9 @@ download. Tokenizer: byte-level BPE (digits split one per token) with special to
 chat template renders `<|bos|>` then `<|role|>content<|eot|>` per turn and `<|assistant|>` as
 the generation prompt. Every turn starts and ends with a special token, so rendering is
 prefix-stable at the token level (what `composer_lightning.chat` relies on).
+
+`tiny_tool_policy_path()` is its tool-calling sibling (`build_tiny_tool`): the same kind of
+model and tokenizer, a template that also renders the tools, for multi-turn tool episodes.
 """
 
 from __future__ import annotations
@@ -36,12 +39,17 @@ CHAT_TEMPLATE = (
 CHECKSUMS = "CHECKSUMS.sha256"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 512, split_words: bool = True
+) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE tokenizer on `texts` (deterministic for a fixed corpus).
 
     Args:
         texts: training corpus (generated task text).
         vocab_size: total size including the 256 byte symbols and the special tokens.
+        split_words: pre-split the text into words and punctuation (GPT-2's regex), so no
+            token spans two of them; False lets merges span them (digits stay one per token),
+            which shortens formulaic text such as JSON tool calls to a few tokens.
 
     Returns:
         A `PreTrainedTokenizerFast` with bos/eos/pad set and the chat template attached.
@@ -50,7 +58,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTo
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words),
         ]
     )
     tok.decoder = decoders.ByteLevel()
@@ -98,6 +106,13 @@ def tiny_llama_config(
 def tiny_policy_path() -> str:
     """The directory of the shipped tiny policy (`composer_lightning/assets/tiny_policy`)."""
     return str(Path(__file__).resolve().parent.parent / "assets" / "tiny_policy")
+
+
+def tiny_tool_policy_path() -> str:
+    """The directory of the shipped tiny tool policy (`composer_lightning/assets/
+    tiny_tool_policy`, built by `composer_lightning.models.build_tiny_tool`): it plays
+    `ToolCalc` episodes, calling its `add` tool, sometimes wrongly."""
+    return str(Path(__file__).resolve().parent.parent / "assets" / "tiny_tool_policy")
 
 
 def file_checksums(path: str | Path) -> dict[str, str]:

@@ -30,6 +30,7 @@ __all__ = [
     "ScoreProvider",
     "ScoringError",
     "Task",
+    "ToolCalc",
     "ToolErrorHint",
     "NextStateJudgeHint",
     "NextStateJudgeScore",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # the judge imports the engine contract; keep it lazy
+def __getattr__(name: str):  # the judge (engine contract) and tool_calc (transformers): lazy
     if name in (
         "LLMJudgeScore",
         "LLMJudgeHint",
@@ -50,4 +51,8 @@ def __getattr__(name: str):  # the judge imports the engine contract; keep it la
         from composer_lightning.tasks import judge
 
         return getattr(judge, name)
+    if name == "ToolCalc":
+        from composer_lightning.tasks.tool_calc import ToolCalc
+
+        return ToolCalc
     raise AttributeError(name)

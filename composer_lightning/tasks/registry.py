@@ -10,6 +10,7 @@ from composer_lightning.tasks.base import Task
 BUILTIN_TASKS: dict[str, str] = {
     "arithmetic": "composer_lightning.tasks.arithmetic.Arithmetic",
     "reverse": "composer_lightning.tasks.reverse.ReverseDigits",
+    "tool_calc": "composer_lightning.tasks.tool_calc.ToolCalc",
 }
 
 
@@ -27,7 +28,7 @@ def get_task(name_or_class_path: str, **kwargs: Any) -> Task:
     """Build a task from a built-in short name or a dotted class path.
 
     Args:
-        name_or_class_path: e.g. "arithmetic", "reverse" or "my_pkg.tasks.MyTask".
+        name_or_class_path: e.g. "arithmetic", "reverse", "tool_calc" or "my_pkg.tasks.MyTask".
         **kwargs: passed to the task's constructor.
 
     Raises:

@@ -1,0 +1,81 @@
+"""The tool_calc task: problems, its calculator environment, and the final-answer verifier."""
+
+from __future__ import annotations
+
+import pytest
+
+from composer_lightning.envs import PythonToolEnv
+from composer_lightning.tasks import Verdict, get_task
+from composer_lightning.tasks.tool_calc import PHRASINGS, ToolCalc, final_answer
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 45}}</tool_call>'
+
+
+def test_lookup_and_problem_shape() -> None:
+    task = get_task("tool_calc")
+    assert isinstance(task, ToolCalc)
+    problems = task.samples(200, seed=3)
+    assert problems == task.samples(200, seed=3)
+    assert {p["phrasing"] for p in problems} == {0, 1}
+    for p in problems:
+        assert p["task"] == "tool_calc" and int(p["answer"]) == p["a"] + p["b"]
+        assert 10 <= p["a"] <= 999 and 10 <= p["b"] <= 999
+        assert p["messages"] == [
+            {"role": "user", "content": PHRASINGS[p["phrasing"]].format(a=p["a"], b=p["b"])}
+        ]
+    assert ToolCalc().make(123, 45, 1)["messages"][0]["content"] == (
+        "Let x = 123 and y = 45. What is x + y?"
+    )
+
+
+def test_the_environment_is_a_fresh_calculator_per_episode() -> None:
+    task = ToolCalc()
+    problem = task.make(123, 45)
+    env = task.environment(problem)
+    assert isinstance(env, PythonToolEnv) and env is not task.environment(problem)
+    assert [t["function"]["name"] for t in env.tools] == ["add"]
+    assert env.reset(problem) == problem["messages"]
+    obs = env.step({"role": "assistant", "content": CALL})
+    assert obs.messages == [{"role": "tool", "content": "168"}] and obs.tool_error is None
+    bad = env.step({"role": "assistant", "content": CALL.replace('"a"', '"x"')})
+    assert "expected add(a: int, b: int)" in bad.tool_error
+    assert env.step({"role": "assistant", "content": "The answer is 168."}).done
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("The answer is 168.", 1.0),
+        ("168", 1.0),
+        ("123 + 45 = 168", 1.0),  # the last integer is the answer
+        (f"{CALL} The answer is 168.", 1.0),  # read after the last call
+        ("The answer is 167.", 0.0),
+        (CALL, 0.0),  # a call is not an answer (45 is not read)
+        ("I do not know.", 0.0),
+    ],
+)
+def test_verifier_reads_the_final_answer(completion: str, reward: float) -> None:
+    verdict = ToolCalc().verify(ToolCalc().make(123, 45), completion)
+    assert verdict.reward == reward
+    assert (verdict.hint is None) == (reward == 1.0)
+
+
+def test_a_wrong_answer_gets_an_error_derived_hint() -> None:
+    problem = ToolCalc().make(123, 45)
+    assert ToolCalc().verify(problem, "The answer is 178.") == Verdict(
+        0.0, "The answer has 3 digits; digit 2 (from the left) is 6."
+    )
+    assert ToolCalc().verify(problem, CALL).hint.startswith("Reply with a number.")
+    assert final_answer(f"{CALL}\nSo 168.") == 168 and final_answer(CALL) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"min_value": 50, "max_value": 10}, "got 50, 10"),
+        ({"xy_share": 1.5}, "xy_share must be in \\[0, 1\\], got 1.5"),
+    ],
+)
+def test_bad_settings_name_the_value(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ToolCalc(**kwargs)
