@@ -257,6 +257,30 @@ def _unknown_key(message: str, class_path: str | None) -> str | None:
     return f"unknown key {key!r}{guess}; {name} takes {', '.join(params)}"
 
 
+def check_mode(trainer: Any, serving: bool) -> None:
+    """`serve` needs a config whose rollout side is a `ServeCallback`, and `fit` one that is not.
+
+    Raises:
+        ConfigError: the subcommand and the config disagree (one line saying which to use).
+    """
+    from composer_lightning.errors import ConfigError
+
+    module = sys.modules.get("composer_lightning.serve.training")
+    serves = module is not None and any(
+        isinstance(c, module.ServeCallback) for c in trainer.callbacks
+    )
+    if serving and not serves:
+        raise ConfigError(
+            "serve needs a config whose rollout section is composer_lightning.serve.ServeCallback "
+            "(configs/serve_cpu.yaml); use fit for this one"
+        )
+    if serves and not serving:
+        raise ConfigError(
+            "this config serves an endpoint (rollout: ServeCallback): run it with "
+            "`python -m composer_lightning serve --config ...`, not fit"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "heads":
@@ -265,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         from composer_lightning.export import main as export
 
         return export(args[1:])
+    serving = bool(args) and args[0] == "serve"  # fit, with the endpoint as the rollout side
+    if serving:
+        argv = args = ["fit", *args[1:]]
     # Import every registered head first so the CLI can resolve them; a broken plugin is
     # reported and the others stay usable.
     for e in registry.load_all():
@@ -306,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         def before_fit(self) -> None:
             # what cannot be honoured is said before any engine starts
             refuse_resume(self.trainer, self.model, self.config.fit.get("ckpt_path"))
+            check_mode(self.trainer, serving)
             # one line instead of Lightning's model summary table
             if self.trainer.is_global_zero:
                 print(run_summary(self.model, self.trainer), flush=True)

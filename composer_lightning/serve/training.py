@@ -1,0 +1,374 @@
+"""Training from served conversations: `ServeCallback` and `ServeDataModule` (`serve` mode).
+
+    python -m composer_lightning serve --config configs/serve_cpu.yaml
+
+The callback starts the policy's engine behind an OpenAI-compatible endpoint (`app.py`, on
+127.0.0.1 by default) and records every turn it serves (`store.py`). A judge thread judges each
+recorded turn once its next state is known (the session's next request, its end, or a
+timeout): the turn goes to the score and hint providers as an episode's turn does —
+`(context, turn, next state)`, `dispatch.turn_problem` — and the verdict (a score and/or a
+hint) is stored; a turn with neither is dropped (the fourth dispatch path). Each optimizer step
+takes `batch_size` judged turns, oldest first: one sample each (G = 1, OpenClaw-RL's reward
+broadcast: no group baseline), its hinted teacher context built as for any turn, and each with
+its own weight version — turns more than `max_staleness` versions old are dropped (counted),
+the rest are importance-corrected per token against their engine log-probs (`importance_cap`).
+After the step the weights are pushed into the engine between two generations, never inside
+one: serving never waits for training, only for the one generation in flight.
+
+A turn is trained on only if it was sampled as training samples are — at `sampling.temperature`
+with top_p = 1 and no top_k (the trainer's log-probs are those of that distribution); other
+requests (greedy evaluation, another temperature) are served and recorded but not trained on
+(dropped, "sampling"). The store is durable: after a crash (kill -9) and a restart every
+recorded turn is still there, a turn is judged once, and turns taken by a step that no
+checkpoint holds are handed back to training.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader, IterableDataset
+
+from composer_lightning.batch import RolloutBatch
+from composer_lightning.callbacks.rollout import RolloutCallback
+from composer_lightning.datamodules.packing import pack_samples
+from composer_lightning.dispatch import dispatch, provider_values, rollout_sample
+from composer_lightning.distributed import StepMetrics
+from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
+from composer_lightning.engines.weights import iter_hf_weights
+from composer_lightning.errors import ConfigError
+from composer_lightning.tasks.base import HintProvider, ScoreProvider
+
+log = logging.getLogger(__name__)
+
+JUDGE = "judge"  # the store's claimant name of this process's judge thread
+
+
+class _Steps(IterableDataset):
+    def __init__(self, dm: ServeDataModule):
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        i = self.dm.consumed
+        while True:
+            yield {"index": i}
+            i += 1
+
+
+class ServeDataModule(L.LightningDataModule):
+    """Step indices for serving mode: each step's samples are the judged turns the
+    `ServeCallback` takes from its store when the step starts (never prefetched).
+
+    Args:
+        tokenizer: the policy's tokenizer directory or hub id; None: the policy's directory.
+    """
+
+    def __init__(self, tokenizer: str | None = None):
+        super().__init__()
+        self.tokenizer_path = tokenizer
+        self.consumed = 0
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
+
+            path = self.tokenizer_path
+            if path is None:
+                module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+                path = getattr(module, "policy_path", None)
+            if path is None:
+                raise ValueError("ServeDataModule needs a tokenizer directory or the policy's")
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                resolve_model(path, what="ServeDataModule tokenizer", require=TOKENIZER_FILE)
+            )
+        return self._tokenizer
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Steps(self), batch_size=None, collate_fn=lambda b: b)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed = int(state["consumed"])
+
+
+class ServeCallback(RolloutCallback):
+    """Serve the policy over HTTP and train on the judged turns of its conversations.
+
+    Args:
+        engine: the policy's engine (started in `setup`; serves every request).
+        store: the SQLite file of served turns (created if missing; kept across restarts).
+        batch_size: B, judged turns per optimizer step.
+        sampling: the training sampling (temperature, max_tokens default of a request);
+            a request that asks for nothing else samples with it and is trained on.
+        score: the per-turn score provider (e.g. `NextStateJudgeScore`, the m-vote PRM).
+        hint: the per-turn hint provider (e.g. `NextStateJudgeHint`); None: no teacher.
+        hint_role: role of the message that carries the hint.
+        max_staleness: judged turns sampled more than this many versions ago are dropped.
+        host, port: where to listen (127.0.0.1; port 0: a free one, printed at start).
+        api_key: the bearer token clients must send; None: none (bound to 127.0.0.1 only,
+            by default).
+        model_name: the model id served at `/v1/models`.
+        max_request_bytes, rate_limit_per_minute: request limits (413, 429).
+        session_timeout_s: a turn whose session sends nothing more for this long is judged
+            without a next state.
+        poll_s: how often the judge thread and a waiting step look at the store.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        store: str = "serve_turns.sqlite",
+        batch_size: int = 8,
+        sampling: SamplingConfig | None = None,
+        score: ScoreProvider | None = None,
+        hint: HintProvider | None = None,
+        hint_role: str = "user",
+        max_staleness: int = 4,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        model_name: str = "policy",
+        max_request_bytes: int = 4 * 2**20,
+        rate_limit_per_minute: int | None = None,
+        session_timeout_s: float | None = 300.0,
+        poll_s: float = 0.05,
+    ):
+        if score is None:
+            raise ValueError("ServeCallback needs a per-turn score provider (rollout.score)")
+        super().__init__(
+            engine, 1, sampling, score, hint, hint_role, samples_every_n_steps=0, val_samples=1
+        )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if (
+            isinstance(max_staleness, bool)
+            or not isinstance(max_staleness, int)
+            or max_staleness < 0
+        ):
+            raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+        self.store_path, self.batch_size, self.stale_limit = store, batch_size, max_staleness
+        self.host, self.port, self.api_key, self.model_name = host, port, api_key, model_name
+        self.max_request_bytes, self.rate_limit = max_request_bytes, rate_limit_per_minute
+        self.session_timeout_s, self.poll_s = session_timeout_s, poll_s
+        self.store = self.server = self.backend = self.app = None
+        self.url: str | None = None
+        self._judge: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._trained: list[int] = []  # turn ids taken by the steps done (checkpointed)
+        self._restored_trained: list[int] | None = None
+        self._judged = {"dispatch/opd_rl": 0, "dispatch/opd_only": 0, "dispatch/rl_only": 0}
+
+    # ------------------------------------------------------------------ start and stop
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from composer_lightning.serve.app import make_app
+        from composer_lightning.serve.backend import EngineBackend
+        from composer_lightning.serve.server import BackgroundServer
+        from composer_lightning.serve.store import TurnStore
+
+        if trainer.world_size > 1:
+            raise ConfigError(
+                f"serve runs one process (one engine behind one endpoint); got {trainer.world_size}"
+            )
+        super().setup(trainer, pl_module, stage)  # temperature, engine start
+        tokenizer = trainer.datamodule.tokenizer
+        self.backend = EngineBackend(self.engine, tokenizer, context=EngineContext.current())
+        self.store = TurnStore(self.store_path)
+        if self._restored_trained is not None:  # a step no checkpoint holds: hand them back
+            back = self.store.untrain(keep=self._restored_trained)
+            if back:
+                log.warning(
+                    "resumed: %d turns taken after the checkpoint go back to training", back
+                )
+        self.app = make_app(
+            self.backend,
+            self.store,
+            model_name=self.model_name,
+            api_key=self.api_key,
+            max_request_bytes=self.max_request_bytes,
+            rate_limit_per_minute=self.rate_limit,
+            default_max_tokens=self.sampling.max_tokens,
+            session_timeout_s=self.session_timeout_s,
+            train_sampling=self.sampling,
+        )
+        self.server = BackgroundServer(self.app, host=self.host, port=self.port)
+        self.url = self.server.start()
+        print(f"composer_lightning: serving {self.model_name!r} at {self.url}/v1", flush=True)
+        self._stop.clear()
+        self._judge = threading.Thread(target=self._judge_loop, name="composer-judge", daemon=True)
+        self._judge.start()
+
+    def _close(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop()  # in-flight requests finish first
+            self.server = None
+        if self._judge is not None:
+            self._judge.join(timeout=60)
+            self._judge = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._close()
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._close()
+
+    # ------------------------------------------------------------------ judging
+    def _judge_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                turns = self.store.claim_ready(16, claimant=JUDGE)
+            except Exception as exc:  # a store error must not kill the judge thread silently
+                log.warning("judge: the store failed: %s: %s", type(exc).__name__, exc)
+                turns = []
+            if not turns:
+                self._stop.wait(self.poll_s)
+                continue
+            self.judge(turns)
+
+    def judge(self, turns: list[Any]) -> None:
+        """Score and hint `turns` with their next states and store the verdicts (a turn with
+        neither is dropped: no signal)."""
+        problems = [
+            {
+                "messages": t.messages,
+                "next_state": t.next_state or [],
+                "tool_error": None,
+                "turn": t.turn_index,
+            }
+            for t in turns
+        ]
+        texts = [t.response_text for t in turns]
+        ids = [t.response_ids for t in turns]
+        scores, _ = provider_values(self.score, "score", problems, texts, ids)
+        hints, _ = (
+            provider_values(self.hint, "hint", problems, texts)
+            if self.hint is not None
+            else ([None] * len(turns), 0)
+        )
+        for t, s, h in zip(turns, scores, hints, strict=True):
+            h = h[0] if isinstance(h, list) else h
+            if s is None and h is None:
+                self.store.drop(t.id, "no signal", claimant=JUDGE)
+            else:
+                self.store.set_judged(t.id, s, h, claimant=JUDGE)
+
+    # ------------------------------------------------------------------ train
+    def _push(self, pl_module: L.LightningModule) -> float:
+        start = time.perf_counter()
+        if self.backend is not None:
+            self.backend.push(iter_hf_weights(pl_module.policy), pl_module.policy_version)
+        return time.perf_counter() - start
+
+    def _synced(self, pl_module: L.LightningModule) -> bool:
+        return self.backend is not None and self.backend.weight_version == pl_module.policy_version
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        start = time.perf_counter()
+        version = pl_module.policy_version
+        turns: list[Any] = []
+        while len(turns) < self.batch_size:
+            if _signalled(trainer):  # stop while waiting: the last whole step is saved
+                raise SIGTERMException()
+            taken = self.store.take_judged(
+                self.batch_size - len(turns), min_version=version - self.stale_limit
+            )
+            turns += taken
+            if not taken:
+                time.sleep(self.poll_s)
+        self._trained += [t.id for t in turns]
+        tokenizer = trainer.datamodule.tokenizer
+        rollout = self.samples(turns, tokenizer)
+        metrics = StepMetrics()
+        counts = self.store.counts()
+        _, paths = dispatch(
+            [t.reward is not None for t in turns], [t.hint is not None for t in turns]
+        )
+        paths["dispatch/dropped"] = float(counts.get("dropped/no signal", 0))
+        metrics.update(paths, kind="sum")
+        served = self.app.state.metrics
+        metrics.update(
+            {
+                "serve/requests": float(served.requests),
+                "serve/sessions": float(self.store.sessions()),
+                "serve/turns_recorded": float(served.turns_recorded),
+                "serve/turns_judged": float(counts.get("judged", 0) + counts.get("trained", 0)),
+                "serve/queue": float(counts.get("judged", 0)),
+                "serve/dropped_stale": float(counts.get("dropped/stale", 0)),
+                "serve/version_served": float(self.backend.weight_version),
+            },
+            kind="max",
+        )
+        metrics.max("serve/wait_time", time.perf_counter() - start)
+        metrics.max("rollout/staleness_max", float(version - min(t.version for t in turns)))
+        rewarded = [t.reward for t in turns if t.reward is not None]
+        metrics.mean(
+            "rollout/reward_mean", sum(rewarded) / len(rewarded) if rewarded else 0.0,
+            weight=float(len(rewarded)),
+        )  # fmt: skip
+        rollout.metrics = metrics
+        batch["rollout"] = rollout.to(pl_module.device)
+        trainer.datamodule.consumed = int(batch["index"]) + 1
+
+    def samples(self, turns: list[Any], tokenizer: Any) -> RolloutBatch:
+        """The rollout batch of judged `turns`: one sample (and group) each, with its engine
+        log-probs and, for a hinted turn, its teacher context."""
+        rows = []
+        for t in turns:
+            c = Completion(list(t.response_ids), list(t.logprobs), "stop")
+            rows.append(
+                rollout_sample(
+                    tokenizer, t.messages, t.prompt_ids, c, t.hint, self.hint_role, t.tools
+                )
+            )
+        rb = pack_samples(
+            rows,
+            rewards=[t.reward for t in turns],
+            group_ids=list(range(len(turns))),
+            pad_id=tokenizer.pad_token_id or 0,
+            max_response_length=self.sampling.max_tokens,
+            engine_logprobs=[[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in turns],
+        )
+        rb.policy_version = min(t.version for t in turns)  # stale rows: importance-corrected
+        return rb
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        return None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"trained": list(self._trained)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._trained = list(state_dict.get("trained", []))
+        self._restored_trained = list(self._trained)
+
+
+def _signalled(trainer: L.Trainer) -> bool:
+    """Whether a stop signal reached this process (`CheckpointOnStop`'s flag, or Lightning's)."""
+    from composer_lightning.callbacks.stop import CheckpointOnStop
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, CheckpointOnStop) and cb._received:
+            cb._signal = cb._received
+            return True
+    return bool(getattr(trainer._signal_connector, "received_sigterm", False))

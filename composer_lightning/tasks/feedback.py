@@ -1,0 +1,68 @@
+"""Next-state judges that read explicit feedback, without a judge model.
+
+When the next state is a user's reply that says plainly whether the turn was right and how to
+fix it ("No, that is wrong. Hint: the answer has 2 digits."), these read it directly: an
+evaluative signal (`FeedbackScore`: ±1) and a directive one (`FeedbackHint`: the correction).
+They see a turn as every per-turn provider does (`dispatch.turn_problem`: `next_state`, the
+messages that followed the turn) and give nothing for a turn without one. For feedback that
+is not this explicit, use the LLM judges (`NextStateJudgeScore`, `NextStateJudgeHint`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from composer_lightning.tasks.base import HintProvider, Problem, ScoreProvider
+
+
+def _reply(problem: Problem) -> str:
+    """The text of the first user or tool message that followed the turn ('' if none)."""
+    for m in problem.get("next_state") or []:
+        if m.get("role") in ("user", "tool"):
+            content = m.get("content")
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+class FeedbackScore(ScoreProvider):
+    """+1.0 when the reply opens with a positive word, −1.0 with a negative one, else None.
+
+    Args:
+        positive, negative: the words (case-insensitive, whole words at the reply's start).
+    """
+
+    def __init__(
+        self,
+        positive: Sequence[str] = ("yes", "correct", "right", "thanks", "great"),
+        negative: Sequence[str] = ("no", "wrong", "incorrect", "not quite"),
+    ) -> None:
+        self._pos = re.compile(rf"^\s*({'|'.join(map(re.escape, positive))})\b", re.IGNORECASE)
+        self._neg = re.compile(rf"^\s*({'|'.join(map(re.escape, negative))})\b", re.IGNORECASE)
+
+    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
+        out: list[float | None] = []
+        for p in problems:
+            reply = _reply(p)
+            out.append(-1.0 if self._neg.match(reply) else 1.0 if self._pos.match(reply) else None)
+        return out
+
+
+class FeedbackHint(HintProvider):
+    """The text after `marker` in the reply (to its end), as the turn's hint; None without it.
+
+    Args:
+        marker: what introduces the correction (case-insensitive).
+    """
+
+    def __init__(self, marker: str = "Hint:") -> None:
+        if not marker:
+            raise ValueError("FeedbackHint needs a non-empty marker")
+        self._marker = re.compile(re.escape(marker) + r"\s*(.+)", re.IGNORECASE | re.DOTALL)
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        out: list[str | None] = []
+        for p in problems:
+            m = self._marker.search(_reply(p))
+            out.append(m.group(1).strip() or None if m else None)
+        return out
