@@ -11,8 +11,8 @@ engine log-probs, and the weight version that sampled it. Its life:
 
 Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn whose `record`
 returned survives a kill -9 or a power cut. A judge claims turns under a name; a claim that its
-owner never finished is claimed again by the same name (a restarted judge) or by anyone once
-its lease has passed, and `set_judged` only lands for the current claimant of a `judging` turn:
+owner never finished is taken back by the same name (`reclaim`, when a judge restarts) or by
+anyone once its lease has passed, and `set_judged` only lands for the current claimant of a `judging` turn:
 a judged turn is never judged again.
 
 Simplified: one connection behind a lock (SQLite serialises writers anyway); several processes
@@ -260,26 +260,35 @@ class TurnStore:
     def claim_ready(self, limit: int, *, claimant: str, lease_s: float = 600.0) -> list[Turn]:
         """Claim up to `limit` turns to judge, oldest first, in one transaction.
 
-        Claimable: `ready` turns; `judging` turns of this `claimant` (it restarted before
-        finishing them); `judging` turns whose claim is older than `lease_s` (their judge died).
+        Claimable: `ready` turns, and `judging` turns whose claim is older than `lease_s` (their
+        judge died). A judge restarted under the same name takes its own unfinished claims back
+        at once with `reclaim`.
 
         Returns:
             The claimed turns, now `judging` under `claimant`.
         """
         if limit < 1:
             raise ValueError(f"claim_ready: limit must be >= 1, got {limit!r}")
-        if not claimant:
-            raise ValueError("claim_ready: claimant must be a non-empty name, got an empty one")
         now = time.time()
+        return self._claim(
+            "state = 'ready' OR (state = 'judging' AND claimed_at < ?) ORDER BY id LIMIT ?",
+            (now - lease_s, limit),
+            claimant,
+            now,
+        )
+
+    def reclaim(self, claimant: str) -> list[Turn]:
+        """The turns `claimant` claimed and never judged (call it once when a judge restarts),
+        with their lease renewed."""
+        return self._claim(
+            "state = 'judging' AND claimant = ? ORDER BY id", (claimant,), claimant, time.time()
+        )
+
+    def _claim(self, where: str, args: tuple[Any, ...], claimant: str, now: float) -> list[Turn]:
+        if not claimant:
+            raise ValueError("a claimant must be a non-empty name, got an empty one")
         with self._write() as db:
-            ids = [
-                r[0]
-                for r in db.execute(
-                    "SELECT id FROM turns WHERE state = 'ready' OR (state = 'judging' AND "
-                    "(claimant = ? OR claimed_at < ?)) ORDER BY id LIMIT ?",
-                    (claimant, now - lease_s, limit),
-                )
-            ]
+            ids = [r[0] for r in db.execute(f"SELECT id FROM turns WHERE {where}", args)]
             db.executemany(
                 "UPDATE turns SET state = 'judging', claimant = ?, claimed_at = ? WHERE id = ?",
                 [(claimant, now, i) for i in ids],
