@@ -7,6 +7,7 @@ version that produced all of its completions.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -70,9 +71,14 @@ class EngineBackend:
     def generate(
         self, prompt_ids: list[int], n: int, sampling: SamplingConfig
     ) -> tuple[list[Completion], int]:
+        # Greedy replies are all the same; HF's generate refuses n > 1 without sampling.
+        greedy = sampling.temperature == 0 and n > 1
         with self._lock:
-            (completions,) = self.engine.generate([prompt_ids], n, sampling)
-            return completions, self.engine.weight_version
+            (completions,) = self.engine.generate([prompt_ids], 1 if greedy else n, sampling)
+            version = self.engine.weight_version
+        if greedy:
+            completions = [dataclasses.replace(completions[0]) for _ in range(n)]
+        return completions, version
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights once the running generation (if any) is done."""
