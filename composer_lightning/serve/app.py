@@ -58,14 +58,14 @@ class ServeMetrics:
 
     def as_dict(self, store: TurnStore) -> dict[str, Any]:
         """The counters with the store's turns per state and its session count."""
-        counts = {f"turns/{k}": v for k, v in store.counts().items() if k != "sessions"}
+        counts = store.counts()
         return {
             "requests": self.requests,
-            "sessions": store.counts()["sessions"],
+            "sessions": counts.pop("sessions"),
             "turns_recorded": self.turns_recorded,
             "disconnects": self.disconnects,
             **{f"errors/{s}": n for s, n in sorted(self.errors.items())},
-            **counts,
+            **{f"turns/{k}": v for k, v in counts.items()},
         }
 
 

@@ -295,3 +295,19 @@ def test_stop_lets_an_in_flight_request_finish(served):
     assert result["r"].json()["usage"]["completion_tokens"] == 100
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/v1/models")
+
+
+def test_a_quiet_session_times_out_with_an_empty_next_state(served):
+    app = make_app(served.backend, served.store, model_name=MODEL, session_timeout_s=0.3)
+    with BackgroundServer(app) as server:
+        body = {**_ok_body(), "session_id": "quiet"}
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
+        assert served.store.session_turns("quiet")[0].state == "recorded"
+        deadline = time.monotonic() + 10
+        while served.store.session_turns("quiet")[0].state == "recorded":
+            assert time.monotonic() < deadline, "the turn never timed out"
+            time.sleep(0.05)
+        metrics = app.state.metrics.as_dict(served.store)
+    (turn,) = served.store.session_turns("quiet")
+    assert (turn.state, turn.next_state, turn.ready_reason) == ("ready", [], "timeout")
+    assert metrics["turns_recorded"] == 1 and metrics["turns/ready"] >= 1
