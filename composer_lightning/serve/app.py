@@ -1,0 +1,319 @@
+"""An OpenAI-compatible chat endpoint that records every turn it serves for training.
+
+`POST /v1/chat/completions` renders the request's messages with the policy's chat template
+once, here, generates on a worker thread (the event loop keeps serving), and records choice 0
+as the session's next turn (with n > 1 the client continues one reply, and choice 0 is the one
+whose next state is looked for; the others are served, not recorded). Before that, the request
+gives the session's previous turn its next state (`TurnStore.attach_next_state`). A session
+ends with `session_done`, or when it stays quiet for `session_timeout_s`.
+
+A client that disconnects while its reply is generated gets nothing recorded: the reply is
+dropped once the generation (which cannot be interrupted) finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from composer_lightning.chat import render_ids
+from composer_lightning.engines.base import Completion, SamplingConfig
+from composer_lightning.serve.backend import ServeBackend
+from composer_lightning.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    Choice,
+    chunk_bodies,
+    completion_body,
+    new_id,
+    parse_request,
+)
+from composer_lightning.serve.store import TurnStore
+
+
+@dataclass
+class ServeMetrics:
+    """Counters of one app (read `app.state.metrics`).
+
+    Attributes:
+        requests: chat-completion requests received. turns_recorded: turns stored.
+        disconnects: replies dropped because their client left. errors: answers by status ≥ 400.
+    """
+
+    requests: int = 0
+    turns_recorded: int = 0
+    disconnects: int = 0
+    errors: Counter[int] = field(default_factory=Counter)
+
+    def as_dict(self, store: TurnStore) -> dict[str, Any]:
+        """The counters with the store's turns per state and its session count."""
+        counts = store.counts()
+        return {
+            "requests": self.requests,
+            "sessions": counts.pop("sessions"),
+            "turns_recorded": self.turns_recorded,
+            "disconnects": self.disconnects,
+            **{f"errors/{s}": n for s, n in sorted(self.errors.items())},
+            **{f"turns/{k}": v for k, v in counts.items()},
+        }
+
+
+class _RateLimiter:
+    """At most `per_minute` requests per client in any 60 s window."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._seen: defaultdict[str, deque[float]] = defaultdict(deque)
+
+    def allow(self, client: str) -> bool:
+        now, seen = time.monotonic(), self._seen[client]
+        while seen and seen[0] <= now - 60:
+            seen.popleft()
+        if len(seen) >= self.per_minute:
+            return False
+        seen.append(now)
+        return True
+
+
+def _cut_at_stop(tokenizer: Any, c: Completion, stops: list[str]) -> tuple[Completion, Choice]:
+    """The completion up to the token that completes the first stop string, and the text shown
+    (before the stop string); unchanged without stop strings or a match."""
+    text = c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    if not stops or not any(s in text for s in stops):
+        return c, Choice(text, c.finish_reason)
+    for k in range(1, len(c.token_ids) + 1):
+        prefix = tokenizer.decode(c.token_ids[:k], skip_special_tokens=True)
+        hits = [prefix.find(s) for s in stops if s in prefix]
+        if hits:
+            kept = Completion(c.token_ids[:k], c.logprobs[:k], "stop", prefix)
+            return kept, Choice(prefix[: min(hits)], "stop")
+    return c, Choice(text, c.finish_reason)  # only the engine's own text held the stop
+
+
+def make_app(
+    backend: ServeBackend,
+    store: TurnStore,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = 4 * 2**20,
+    rate_limit_per_minute: int | None = None,
+    max_n: int = 8,
+    default_max_tokens: int = 256,
+    session_timeout_s: float | None = None,
+    disconnect_poll_s: float = 0.1,
+) -> FastAPI:
+    """The serving app.
+
+    Args:
+        backend: what generates (`EngineBackend`).
+        store: where served turns are recorded.
+        model_name: the one model id served (`/v1/models`); requests must name it.
+        api_key: the bearer token clients must send; None: no authentication.
+        max_request_bytes: larger bodies are refused with 413.
+        rate_limit_per_minute: requests per client address per minute (429 beyond); None: off.
+        max_n: the largest `n` accepted.
+        default_max_tokens: reply length when a request gives none (cut to the context left).
+        session_timeout_s: a recorded turn with no next request within this many seconds gets
+            an empty next state (`TurnStore.expire`, checked every quarter of it); None: only
+            `session_done` ends a session.
+        disconnect_poll_s: how often a generation checks whether its client is still there.
+    """
+    if max_request_bytes < 1 or max_n < 1 or default_max_tokens < 1:
+        raise ValueError(
+            "max_request_bytes, max_n and default_max_tokens must be >= 1, got "
+            f"{max_request_bytes!r}, {max_n!r}, {default_max_tokens!r}"
+        )
+    if session_timeout_s is not None and not session_timeout_s > 0:
+        raise ValueError(
+            f"session_timeout_s must be > 0 seconds or None, got {session_timeout_s!r}"
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if session_timeout_s is not None:
+            task = asyncio.create_task(_expire_loop(store, session_timeout_s))
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="composer_lightning serve", lifespan=lifespan, openapi_url=None)
+    app.state.metrics = metrics = ServeMetrics()
+    limiter = _RateLimiter(rate_limit_per_minute) if rate_limit_per_minute else None
+    created = int(time.time())
+
+    def error(e: ApiError) -> JSONResponse:
+        metrics.errors[e.status] += 1
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        code = "not_found" if e.status_code == 404 else None
+        return error(
+            ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code)
+        )
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        msg = f"the server failed: {type(e).__name__}: {e}"
+        return error(ApiError(500, msg, type="server_error"))
+
+    def authorize(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return {"object": "list", "data": [_model_card(model_name, created)]}
+
+    @app.get("/v1/models/{model}")
+    async def get_model(model: str, request: Request) -> dict[str, Any]:
+        authorize(request)
+        _check_model(model, model_name)
+        return _model_card(model_name, created)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        metrics.requests += 1
+        authorize(request)
+        client = request.client.host if request.client else "unknown"
+        if limiter is not None and not limiter.allow(client):
+            raise ApiError(
+                429, f"Rate limit reached: {limiter.per_minute} requests per minute.",
+                type="requests", code="rate_limit_exceeded",
+            )  # fmt: skip
+        body = await _read_json(request, max_request_bytes)
+        req = parse_request(body, dict(request.headers), max_n=max_n)
+        _check_model(req.model, model_name)
+        prompt_ids = _render(backend.tokenizer, req)
+        sampling = _sampling(req, len(prompt_ids), backend.max_context, default_max_tokens)
+        await run_in_threadpool(store.attach_next_state, req.session, req.messages)
+        generation = asyncio.ensure_future(
+            run_in_threadpool(backend.generate, prompt_ids, req.n, sampling)
+        )
+        while not (await asyncio.wait({generation}, timeout=disconnect_poll_s))[0]:
+            if await request.is_disconnected():
+                metrics.disconnects += 1
+                generation.add_done_callback(lambda t: t.cancelled() or t.exception())
+                return Response(status_code=499)  # nobody reads it
+        completions, version = generation.result()
+        kept, choices = zip(
+            *(_cut_at_stop(backend.tokenizer, c, req.stop) for c in completions), strict=True
+        )
+        first = kept[0]
+        await run_in_threadpool(
+            store.record, req.session, req.messages, prompt_ids, first.token_ids,
+            choices[0].text, first.logprobs, version, req.tools,
+        )  # fmt: skip
+        metrics.turns_recorded += 1
+        if req.session_done:
+            await run_in_threadpool(store.end_session, req.session)
+        n_out = sum(len(c.token_ids) for c in kept)
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": n_out,
+            "total_tokens": len(prompt_ids) + n_out,
+        }
+        cid = new_id()
+        if not req.stream:
+            return JSONResponse(completion_body(req, cid, list(choices), usage, version))
+        chunks = chunk_bodies(req, cid, list(choices), usage, version)
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+    return app
+
+
+async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[str]:
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _expire_loop(store: TurnStore, timeout_s: float) -> None:
+    while True:
+        await asyncio.sleep(min(timeout_s / 4, 30.0))
+        await run_in_threadpool(store.expire, timeout_s)
+
+
+def _model_card(model_name: str, created: int) -> dict[str, Any]:
+    return {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "composer_lightning",
+    }
+
+
+def _check_model(model: str, model_name: str) -> None:
+    if model != model_name:
+        raise ApiError(
+            404, f"The model {model!r} does not exist; this server serves {model_name!r}.",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    too_large = ApiError(
+        413, f"the request body is larger than this server's limit of {limit} bytes",
+        code="request_too_large",
+    )  # fmt: skip
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise too_large
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", param="body") from None
+
+
+def _render(tokenizer: Any, req: ChatRequest) -> list[int]:
+    try:
+        return render_ids(tokenizer, req.messages, add_generation_prompt=True, tools=req.tools)
+    except Exception as e:  # jinja's TemplateError, a template's raise_exception, bad tool specs
+        raise ApiError(
+            400, f"the chat template refused these messages: {type(e).__name__}: {e}",
+            param="messages",
+        ) from None  # fmt: skip
+
+
+def _sampling(
+    req: ChatRequest, prompt_len: int, max_context: int | None, default_max_tokens: int
+) -> SamplingConfig:
+    room = None if max_context is None else max_context - prompt_len
+    max_tokens = req.max_tokens
+    if room is not None and (room < 1 or (max_tokens is not None and max_tokens > room)):
+        raise ApiError(
+            400, f"this model's context is {max_context} tokens; the prompt has {prompt_len} and "
+            f"{max_tokens or 1} more were asked for", param="messages", code="context_length_exceeded",
+        )  # fmt: skip
+    if max_tokens is None:
+        max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
+    greedy = req.top_p == 0  # OpenAI accepts top_p=0: only the most likely token
+    return SamplingConfig(
+        temperature=0.0 if greedy else req.temperature,
+        top_p=1.0 if greedy else req.top_p,
+        max_tokens=max_tokens,
+        seed=req.seed,
+    )

@@ -1,0 +1,385 @@
+"""A durable store of served turns, from recording to training (SQLite, stdlib `sqlite3`).
+
+A turn is one served assistant reply: its context (the request's chat messages and tools), the
+prompt ids the chat template gave once on the server, the sampled response ids, text and
+engine log-probs, and the weight version that sampled it. Its life:
+
+    recorded ──(next request of the session shows what followed it)──> ready
+    recorded ──(session ended, or no next request within the timeout)──> ready (empty next state)
+    ready ──claim──> judging ──set_judged──> judged ──take_judged──> trained
+    judged ──take_judged(min_version) on an older version──> dropped ("stale")
+
+Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn whose `record`
+returned survives a kill -9 or a power cut. A judge claims turns under a name; a claim that its
+owner never finished is taken back by the same name (`reclaim`, when a judge restarts) or by
+anyone once its lease has passed, and `set_judged` only lands for the current claimant of a `judging` turn:
+a judged turn is never judged again.
+
+Simplified: one connection behind a lock (SQLite serialises writers anyway); several processes
+may share the file (`BEGIN IMMEDIATE` and a busy timeout order them).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+State = Literal["recorded", "ready", "judging", "judged", "trained", "dropped"]
+STATES: tuple[State, ...] = ("recorded", "ready", "judging", "judged", "trained", "dropped")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS turns (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    session TEXT NOT NULL,
+    turn_index INTEGER NOT NULL,
+    messages TEXT NOT NULL,
+    tools TEXT,
+    prompt_ids TEXT NOT NULL,
+    response_ids TEXT NOT NULL,
+    response_text TEXT NOT NULL,
+    logprobs TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    created REAL NOT NULL,
+    state TEXT NOT NULL DEFAULT 'recorded',
+    next_state TEXT,
+    ready_reason TEXT,
+    claimant TEXT,
+    claimed_at REAL,
+    reward REAL,
+    hint TEXT,
+    drop_reason TEXT,
+    UNIQUE (session, turn_index)
+);
+CREATE INDEX IF NOT EXISTS turns_state ON turns (state, id);
+CREATE INDEX IF NOT EXISTS turns_session ON turns (session, turn_index);
+"""
+
+_JSON_FIELDS = ("messages", "tools", "prompt_ids", "response_ids", "logprobs", "next_state")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One served turn as stored.
+
+    Attributes:
+        id: the store's id of the turn. session: the session id. turn_index: 0, 1, ... within it.
+        messages: the request's chat messages (the turn's context). tools: its tool specs.
+        prompt_ids: the chat template of `messages` (and `tools`) with the generation prompt.
+        response_ids, response_text, logprobs: the sampled reply and its engine log-probs.
+        version: the weight version that sampled it. created: when it was recorded (epoch s).
+        state: where it is in its life (module docstring).
+        next_state: the messages that followed the reply in the session's next request; [] when
+            the session ended or timed out first; None while unknown.
+        ready_reason: "next", "session_done" or "timeout" once the next state is known.
+        claimant: who is judging it (or judged it). reward, hint: the judge's verdict.
+        drop_reason: why it was dropped ("stale", or a judge's reason).
+    """
+
+    id: int
+    session: str
+    turn_index: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_text: str
+    logprobs: list[float]
+    version: int
+    created: float
+    state: State
+    next_state: list[dict[str, Any]] | None
+    ready_reason: str | None
+    claimant: str | None
+    reward: float | None
+    hint: str | None
+    drop_reason: str | None
+
+
+def _turn(row: sqlite3.Row) -> Turn:
+    data = {k: row[k] for k in row.keys() if k != "claimed_at"}
+    for k in _JSON_FIELDS:
+        data[k] = None if data[k] is None else json.loads(data[k])
+    return Turn(**data)
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, or OpenAI's list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+
+
+class TurnStore:
+    """Served turns in one SQLite file (module docstring).
+
+    Args:
+        path: the database file; created with its tables when missing.
+        busy_timeout_s: how long a write waits for another process's transaction.
+    """
+
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
+        self.path = str(path)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
+        )
+        self._db.row_factory = sqlite3.Row
+        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise RuntimeError(f"TurnStore: {self.path!r} refused WAL mode (got {mode!r})")
+        self._db.execute("PRAGMA synchronous=FULL")
+        with self._write() as db:
+            # executescript would commit on its own; one statement at a time stays in BEGIN.
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+
+    def close(self) -> None:
+        """Close the connection (every committed write is already on disk)."""
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def record(
+        self,
+        session: str,
+        messages: list[dict[str, Any]],
+        prompt_ids: list[int],
+        response_ids: list[int],
+        response_text: str,
+        logprobs: list[float],
+        version: int,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> int:
+        """Store a served turn as the session's next one; returns its id once it is on disk."""
+        if len(logprobs) != len(response_ids):
+            raise ValueError(
+                f"record: {len(logprobs)} log-probs for {len(response_ids)} response tokens"
+            )
+        with self._write() as db:
+            (last,) = db.execute(
+                "SELECT MAX(turn_index) FROM turns WHERE session = ?", (session,)
+            ).fetchone()
+            cur = db.execute(
+                "INSERT INTO turns (session, turn_index, messages, tools, prompt_ids, "
+                "response_ids, response_text, logprobs, version, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    session,
+                    0 if last is None else last + 1,
+                    json.dumps(messages),
+                    None if tools is None else json.dumps(tools),
+                    json.dumps([int(t) for t in prompt_ids]),
+                    json.dumps([int(t) for t in response_ids]),
+                    response_text,
+                    json.dumps([float(x) for x in logprobs]),
+                    int(version),
+                    time.time(),
+                ),
+            )
+            return int(cur.lastrowid)
+
+    def attach_next_state(self, session: str, messages: list[dict[str, Any]]) -> int | None:
+        """Give the session's latest `recorded` turn that `messages` continues its next state.
+
+        A turn whose context had k messages is continued by `messages` when `messages[k]` is an
+        assistant message with the turn's reply text; its next state is `messages[k + 1:]`.
+
+        Returns:
+            The id of the turn that became `ready`, or None when no recorded turn matches (a
+            new session, or a client that edited or regenerated the reply: that turn waits for
+            `end_session` or `expire`).
+        """
+        with self._write() as db:
+            rows = db.execute(
+                "SELECT id, messages, response_text FROM turns "
+                "WHERE session = ? AND state = 'recorded' ORDER BY turn_index DESC",
+                (session,),
+            ).fetchall()
+            for row in rows:
+                k = len(json.loads(row["messages"]))
+                if k >= len(messages):
+                    continue
+                reply = messages[k]
+                if reply.get("role") != "assistant":
+                    continue
+                if message_text(reply.get("content")).strip() != row["response_text"].strip():
+                    continue
+                db.execute(
+                    "UPDATE turns SET state = 'ready', next_state = ?, ready_reason = 'next' "
+                    "WHERE id = ?",
+                    (json.dumps(messages[k + 1 :]), row["id"]),
+                )
+                return int(row["id"])
+            return None
+
+    def end_session(self, session: str, reason: str = "session_done") -> int:
+        """Make the session's `recorded` turns `ready` with an empty next state; returns how many."""
+        with self._write() as db:
+            return db.execute(
+                "UPDATE turns SET state = 'ready', next_state = '[]', ready_reason = ? "
+                "WHERE session = ? AND state = 'recorded'",
+                (reason, session),
+            ).rowcount
+
+    def expire(self, older_than_s: float) -> int:
+        """Make `recorded` turns served more than `older_than_s` ago `ready` with an empty next
+        state (their session went quiet); returns how many."""
+        if not older_than_s >= 0:
+            raise ValueError(f"expire: older_than_s must be >= 0 seconds, got {older_than_s!r}")
+        with self._write() as db:
+            return db.execute(
+                "UPDATE turns SET state = 'ready', next_state = '[]', ready_reason = 'timeout' "
+                "WHERE state = 'recorded' AND created < ?",
+                (time.time() - older_than_s,),
+            ).rowcount
+
+    def claim_ready(self, limit: int, *, claimant: str, lease_s: float = 600.0) -> list[Turn]:
+        """Claim up to `limit` turns to judge, oldest first, in one transaction.
+
+        Claimable: `ready` turns, and `judging` turns whose claim is older than `lease_s` (their
+        judge died). A judge restarted under the same name takes its own unfinished claims back
+        at once with `reclaim`.
+
+        Returns:
+            The claimed turns, now `judging` under `claimant`.
+        """
+        if limit < 1:
+            raise ValueError(f"claim_ready: limit must be >= 1, got {limit!r}")
+        now = time.time()
+        return self._claim(
+            "state = 'ready' OR (state = 'judging' AND claimed_at < ?) ORDER BY id LIMIT ?",
+            (now - lease_s, limit),
+            claimant,
+            now,
+        )
+
+    def reclaim(self, claimant: str) -> list[Turn]:
+        """The turns `claimant` claimed and never judged (call it once when a judge restarts),
+        with their lease renewed."""
+        return self._claim(
+            "state = 'judging' AND claimant = ? ORDER BY id", (claimant,), claimant, time.time()
+        )
+
+    def _claim(self, where: str, args: tuple[Any, ...], claimant: str, now: float) -> list[Turn]:
+        if not claimant:
+            raise ValueError("a claimant must be a non-empty name, got an empty one")
+        with self._write() as db:
+            ids = [r[0] for r in db.execute(f"SELECT id FROM turns WHERE {where}", args)]
+            db.executemany(
+                "UPDATE turns SET state = 'judging', claimant = ?, claimed_at = ? WHERE id = ?",
+                [(claimant, now, i) for i in ids],
+            )
+            return self._turns(db, ids)
+
+    def set_judged(
+        self, turn_id: int, reward: float | None, hint: str | None, *, claimant: str
+    ) -> bool:
+        """Store the verdict on a turn `claimant` is judging.
+
+        Returns:
+            True when it landed; False when the turn is not `judging` under `claimant` (judged
+            already, or claimed by another judge after the lease passed): the verdict is dropped.
+        """
+        with self._write() as db:
+            return (
+                db.execute(
+                    "UPDATE turns SET state = 'judged', reward = ?, hint = ? "
+                    "WHERE id = ? AND state = 'judging' AND claimant = ?",
+                    (None if reward is None else float(reward), hint, turn_id, claimant),
+                ).rowcount
+                == 1
+            )
+
+    def drop(self, turn_id: int, reason: str, *, claimant: str | None = None) -> bool:
+        """Drop a turn that is not trained yet (a judge that cannot judge it; `claimant`: only
+        while it holds the claim). Returns whether it was dropped."""
+        sql = "UPDATE turns SET state = 'dropped', drop_reason = ? WHERE id = ? AND state != 'trained'"
+        args: tuple[Any, ...] = (reason, turn_id)
+        if claimant is not None:
+            sql += " AND state = 'judging' AND claimant = ?"
+            args += (claimant,)
+        with self._write() as db:
+            return db.execute(sql, args).rowcount == 1
+
+    def take_judged(self, limit: int, min_version: int | None = None) -> list[Turn]:
+        """Hand up to `limit` judged turns to training, oldest first, marking them `trained`.
+
+        Args:
+            limit: the most turns returned (≥ 1).
+            min_version: judged turns sampled by an older weight version are dropped as "stale"
+                first (all of them, counted in `counts()["dropped/stale"]`).
+        """
+        if limit < 1:
+            raise ValueError(f"take_judged: limit must be >= 1, got {limit!r}")
+        with self._write() as db:
+            if min_version is not None:
+                db.execute(
+                    "UPDATE turns SET state = 'dropped', drop_reason = 'stale' "
+                    "WHERE state = 'judged' AND version < ?",
+                    (int(min_version),),
+                )
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT id FROM turns WHERE state = 'judged' ORDER BY id LIMIT ?", (limit,)
+                )
+            ]
+            db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in ids])
+            return self._turns(db, ids)
+
+    def get(self, turn_id: int) -> Turn:
+        """One turn by id (KeyError naming it when there is none)."""
+        rows = self._read("SELECT * FROM turns WHERE id = ?", (turn_id,))
+        if not rows:
+            raise KeyError(f"TurnStore: no turn with id {turn_id!r} in {self.path!r}")
+        return _turn(rows[0])
+
+    def session_turns(self, session: str) -> list[Turn]:
+        """The session's turns in order."""
+        rows = self._read("SELECT * FROM turns WHERE session = ? ORDER BY turn_index", (session,))
+        return [_turn(r) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        """Turns per state (every state, 0 included), "dropped/<reason>" per drop reason, and
+        "sessions" (distinct session ids): for metrics."""
+        out: dict[str, int] = dict.fromkeys(STATES, 0)
+        for row in self._read("SELECT state, COUNT(*) FROM turns GROUP BY state"):
+            out[row[0]] = row[1]
+        for row in self._read(
+            "SELECT drop_reason, COUNT(*) FROM turns WHERE state = 'dropped' GROUP BY drop_reason"
+        ):
+            out[f"dropped/{row[0]}"] = row[1]
+        out["sessions"] = self._read("SELECT COUNT(DISTINCT session) FROM turns")[0][0]
+        return out
+
+    @staticmethod
+    def _turns(db: sqlite3.Connection, ids: list[int]) -> list[Turn]:
+        if not ids:
+            return []
+        marks = ",".join("?" * len(ids))
+        rows = db.execute(f"SELECT * FROM turns WHERE id IN ({marks}) ORDER BY id", ids)
+        return [_turn(r) for r in rows]
