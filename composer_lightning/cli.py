@@ -291,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         return export(args[1:])
     serving = bool(args) and args[0] == "serve"  # fit, with the endpoint as the rollout side
     if serving:
-        argv = args = ["fit", *args[1:]]
+        args = ["fit", *args[1:]]
+        if argv is None:
+            sys.argv[1:] = args
+        else:
+            argv = args
     # Import every registered head first so the CLI can resolve them; a broken plugin is
     # reported and the others stay usable.
     for e in registry.load_all():

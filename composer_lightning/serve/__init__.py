@@ -2,19 +2,23 @@
 
 `TurnStore` (store.py) keeps served turns durably from recording to training; `make_app`
 (app.py) is the endpoint; `EngineBackend` (backend.py) puts a rollout engine behind it;
-`BackgroundServer` (server.py) runs it with uvicorn on a thread.
+`BackgroundServer` (server.py) runs it with uvicorn on a thread; `ServeCallback` and
+`ServeDataModule` (training.py) train on what was served (`python -m composer_lightning serve`).
 """
 
 from composer_lightning.serve.app import ServeMetrics, make_app
 from composer_lightning.serve.backend import EngineBackend, ServeBackend
 from composer_lightning.serve.server import BackgroundServer
 from composer_lightning.serve.store import STATES, Turn, TurnStore
+from composer_lightning.serve.training import ServeCallback, ServeDataModule
 
 __all__ = [
     "STATES",
     "BackgroundServer",
     "EngineBackend",
     "ServeBackend",
+    "ServeCallback",
+    "ServeDataModule",
     "ServeMetrics",
     "Turn",
     "TurnStore",

@@ -113,6 +113,7 @@ def make_app(
     default_max_tokens: int = 256,
     session_timeout_s: float | None = None,
     disconnect_poll_s: float = 0.1,
+    train_sampling: SamplingConfig | None = None,
 ) -> FastAPI:
     """The serving app.
 
@@ -129,6 +130,9 @@ def make_app(
             an empty next state (`TurnStore.expire`, checked every quarter of it); None: only
             `session_done` ends a session.
         disconnect_poll_s: how often a generation checks whether its client is still there.
+        train_sampling: the sampling training rollouts use: a turn sampled otherwise (another
+            temperature, top_p < 1, greedy) is recorded and dropped at once ("sampling"), since
+            its log-probs are not those the trainer computes; None: every turn is trainable.
     """
     if max_request_bytes < 1 or max_n < 1 or default_max_tokens < 1:
         raise ValueError(
@@ -218,11 +222,13 @@ def make_app(
             *(_cut_at_stop(backend.tokenizer, c, req.stop) for c in completions), strict=True
         )
         first = kept[0]
-        await run_in_threadpool(
+        turn_id = await run_in_threadpool(
             store.record, req.session, req.messages, prompt_ids, first.token_ids,
             choices[0].text, first.logprobs, version, req.tools,
         )  # fmt: skip
         metrics.turns_recorded += 1
+        if train_sampling is not None and not _trainable(sampling, train_sampling):
+            await run_in_threadpool(store.drop, turn_id, "sampling")
         if req.session_done:
             await run_in_threadpool(store.end_session, req.session)
         n_out = sum(len(c.token_ids) for c in kept)
@@ -316,4 +322,13 @@ def _sampling(
         top_p=1.0 if greedy else req.top_p,
         max_tokens=max_tokens,
         seed=req.seed,
+    )
+
+
+def _trainable(sampling: SamplingConfig, train: SamplingConfig) -> bool:
+    """Whether a turn was sampled from the distribution training log-probs are of."""
+    return (
+        abs(sampling.temperature - train.temperature) < 1e-9
+        and sampling.top_p == 1.0
+        and sampling.top_k_or_none is None
     )

@@ -351,6 +351,20 @@ class TurnStore:
             db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in ids])
             return self._turns(db, ids)
 
+    def untrain(self, keep: list[int]) -> int:
+        """Hand `trained` turns not in `keep` back to training (`judged`): after a restart from
+        a checkpoint, the turns taken by steps the checkpoint does not hold.
+
+        Returns:
+            How many went back.
+        """
+        kept = set(int(i) for i in keep)
+        with self._write() as db:
+            ids = [r[0] for r in db.execute("SELECT id FROM turns WHERE state = 'trained'")]
+            back = [(i,) for i in ids if i not in kept]
+            db.executemany("UPDATE turns SET state = 'judged' WHERE id = ?", back)
+            return len(back)
+
     def get(self, turn_id: int) -> Turn:
         """One turn by id (KeyError naming it when there is none)."""
         rows = self._read("SELECT * FROM turns WHERE id = ?", (turn_id,))

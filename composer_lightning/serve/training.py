@@ -185,6 +185,7 @@ class ServeCallback(RolloutCallback):
         tokenizer = trainer.datamodule.tokenizer
         self.backend = EngineBackend(self.engine, tokenizer, context=EngineContext.current())
         self.store = TurnStore(self.store_path)
+        reclaimed = self.store.reclaim(JUDGE)  # claimed before a crash, never judged: now
         if self._restored_trained is not None:  # a step no checkpoint holds: hand them back
             back = self.store.untrain(keep=self._restored_trained)
             if back:
@@ -206,7 +207,9 @@ class ServeCallback(RolloutCallback):
         self.url = self.server.start()
         print(f"composer_lightning: serving {self.model_name!r} at {self.url}/v1", flush=True)
         self._stop.clear()
-        self._judge = threading.Thread(target=self._judge_loop, name="composer-judge", daemon=True)
+        self._judge = threading.Thread(
+            target=self._judge_loop, args=(reclaimed,), name="composer-judge", daemon=True
+        )
         self._judge.start()
 
     def _close(self) -> None:
@@ -231,7 +234,9 @@ class ServeCallback(RolloutCallback):
         self._close()
 
     # ------------------------------------------------------------------ judging
-    def _judge_loop(self) -> None:
+    def _judge_loop(self, reclaimed: list[Any]) -> None:
+        if reclaimed:
+            self.judge(reclaimed)
         while not self._stop.is_set():
             try:
                 turns = self.store.claim_ready(16, claimant=JUDGE)
@@ -309,7 +314,7 @@ class ServeCallback(RolloutCallback):
         metrics.update(
             {
                 "serve/requests": float(served.requests),
-                "serve/sessions": float(self.store.sessions()),
+                "serve/sessions": float(counts.get("sessions", 0)),
                 "serve/turns_recorded": float(served.turns_recorded),
                 "serve/turns_judged": float(counts.get("judged", 0) + counts.get("trained", 0)),
                 "serve/queue": float(counts.get("judged", 0)),
