@@ -1,4 +1,4 @@
-"""`python -m composer_lightning fit --config configs/<name>.yaml` | `heads` | `export`."""
+"""`python -m composer_lightning fit --config configs/<name>.yaml` | `serve` | `heads` | `export`."""
 
 import sys
 

@@ -257,6 +257,8 @@ class ServeCallback(RolloutCallback):
                 "next_state": t.next_state or [],
                 "tool_error": None,
                 "turn": t.turn_index,
+                "session": t.session,
+                "turn_id": t.id,
             }
             for t in turns
         ]

@@ -26,17 +26,22 @@ def _reply(problem: Problem) -> str:
 
 
 class FeedbackScore(ScoreProvider):
-    """+1.0 when the reply opens with a positive word, −1.0 with a negative one, else None.
+    """`good` (+1.0) when the reply opens with a positive word, `bad` (−1.0) with a negative
+    one, else None.
 
     Args:
         positive, negative: the words (case-insensitive, whole words at the reply's start).
+        good, bad: the scores they give (OpenClaw-RL's +1 / −1 by default).
     """
 
     def __init__(
         self,
         positive: Sequence[str] = ("yes", "correct", "right", "thanks", "great"),
         negative: Sequence[str] = ("no", "wrong", "incorrect", "not quite"),
+        good: float = 1.0,
+        bad: float = -1.0,
     ) -> None:
+        self.good, self.bad = float(good), float(bad)
         self._pos = re.compile(rf"^\s*({'|'.join(map(re.escape, positive))})\b", re.IGNORECASE)
         self._neg = re.compile(rf"^\s*({'|'.join(map(re.escape, negative))})\b", re.IGNORECASE)
 
@@ -44,7 +49,13 @@ class FeedbackScore(ScoreProvider):
         out: list[float | None] = []
         for p in problems:
             reply = _reply(p)
-            out.append(-1.0 if self._neg.match(reply) else 1.0 if self._pos.match(reply) else None)
+            out.append(
+                self.bad
+                if self._neg.match(reply)
+                else self.good
+                if self._pos.match(reply)
+                else None
+            )
         return out
 
 

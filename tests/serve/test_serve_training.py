@@ -1,0 +1,120 @@
+"""`serve` end to end: a real server process trained by talking to it through the `openai`
+client; kill -9 and a restart lose no recorded turn and judge none twice; SIGTERM drains,
+saves and exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+
+from tests.test_cli import ROOT
+
+sys.path.insert(0, str(ROOT / "examples" / "talk_to_train"))
+import talk  # noqa: E402
+
+
+def _paths(db: str) -> dict[str, int]:
+    """The four dispatch paths of the judged turns, and the dropped ones."""
+    rows = sqlite3.connect(db).execute(
+        "SELECT reward IS NOT NULL, hint IS NOT NULL, state, drop_reason FROM turns"
+    )
+    out = {"opd_rl": 0, "opd_only": 0, "rl_only": 0, "dropped": 0}
+    for reward, hint, state, reason in rows:
+        if state == "dropped":
+            out["dropped"] += reason == "no signal"
+        elif state in ("judged", "trained"):
+            out["opd_rl" if reward and hint else "opd_only" if hint else "rl_only"] += 1
+    return out
+
+
+def test_talking_to_the_endpoint_trains_the_policy_it_serves():
+    figures = talk.main(["--steps", "20", "--heldout", "64"])
+    assert figures["server_exit"] == 128 + signal.SIGTERM  # drained, saved, exited
+    workdir = figures["workdir"]
+    (last,) = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs if f == "last.ckpt"]
+    assert os.path.getsize(last) > 0
+    assert figures["versions_seen"][-1] >= 20  # served with ever newer weights
+    paths = _paths(os.path.join(workdir, "turns.sqlite"))
+    assert all(paths[p] > 0 for p in paths), paths
+    assert figures["heldout_after"] > figures["heldout_before"], figures
+
+
+def _serve(workdir, env, *extra):
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "composer_lightning", "serve",
+            "--config", str(ROOT / "configs" / "serve_cpu.yaml"),
+            f"--trainer.default_root_dir={workdir}",
+            f"--trainer.logger.init_args.save_dir={workdir}",
+            f"--rollout.init_args.store={workdir}/turns.sqlite",
+            "--rollout.init_args.batch_size=4",
+            "--rollout.init_args.score=tests.serve.judged.LoggedFeedbackScore",
+            '--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",'
+            ' "init_args": {"every_n_train_steps": 1, "save_last": true}}]',
+            *extra,
+        ],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env),
+        start_new_session=True,
+    )  # fmt: skip
+    for line in proc.stdout:
+        if "serving" in line and "http://" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, line.split(" at ")[1].strip()
+    raise AssertionError(f"the server exited ({proc.wait()}) before it printed its address")
+
+
+def _talk(url, sessions, name):
+    client = openai.OpenAI(base_url=url, api_key="none")
+    problem = {"messages": [{"role": "user", "content": "What is 4 + 18?"}], "answer": 22}
+    for n in range(sessions):
+        first = talk.ask(client, problem["messages"], f"{name}-{n}")
+        answer = first.choices[0].message.content or ""
+        follow = [
+            *problem["messages"],
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "No, that is wrong. Hint: the first digit is 2."},
+        ]
+        talk.ask(client, follow, f"{name}-{n}", done=True, max_tokens=4)
+
+
+def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
+    log = tmp_path / "judged.log"
+    env = {"JUDGED_LOG": str(log)}
+    proc, url = _serve(tmp_path, env)
+    _talk(url, 10, "a")
+    db = str(tmp_path / "turns.sqlite")
+    deadline = time.monotonic() + 60
+    while (
+        sqlite3.connect(db)
+        .execute("SELECT COUNT(*) FROM turns WHERE state IN ('recorded', 'ready', 'judging')")
+        .fetchone()[0]
+        > 2
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)  # most of them judged (two wait for their session's end)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = sqlite3.connect(db).execute("SELECT id, state FROM turns").fetchall()
+    judged_before = {i for i, s in before if s in ("judged", "trained", "dropped")}
+    calls_before = log.read_text().split()
+    (last,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "last.ckpt"]
+    proc, url = _serve(tmp_path, env, f"--ckpt_path={last}")
+    try:
+        _talk(url, 2, "b")
+        time.sleep(1)
+        after = sqlite3.connect(db).execute("SELECT id FROM turns").fetchall()
+        assert {i for i, _ in before} <= {i for (i,) in after}  # every recorded turn is there
+        calls_after = log.read_text().split()[len(calls_before) :]
+        assert not judged_before & {int(i) for i in calls_after}  # none judged again
+        assert len(calls_before) == len(set(calls_before))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
