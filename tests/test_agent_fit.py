@@ -82,7 +82,7 @@ def test_tool_episodes_train_validate_and_resume_exactly(tmp_path):
     again = quiet_trainer(max_steps=4, callbacks=[_callback()], limit_val_batches=0)
     again.fit(resumed, _data(), ckpt_path=str(path))
     for (name, a), b in zip(
-        whole.policy.state_dict().items(), resumed.policy.state_dict().values()
+        whole.policy.state_dict().items(), resumed.policy.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name  # episodes 3 and 4 replayed exactly
 

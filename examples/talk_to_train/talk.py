@@ -88,7 +88,7 @@ def user(client, name: str, seed: int, until: int, log: list) -> None:
         ask(client, follow, session, done=True, max_tokens=4)
         log.append((name, task.verify(problem, answer).reward, version(first)))
         n += 1
-        if version(first) >= until:
+        if version(first) >= until or n >= 50 * until:  # bounded, should training stall
             return
 
 

@@ -35,12 +35,12 @@ def _paths(db: str) -> dict[str, int]:
 
 
 def test_talking_to_the_endpoint_trains_the_policy_it_serves():
-    figures = talk.main(["--steps", "20", "--heldout", "64"])
+    figures = talk.main(["--steps", "40", "--heldout", "64"])
     assert figures["server_exit"] == 128 + signal.SIGTERM  # drained, saved, exited
     workdir = figures["workdir"]
     (last,) = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs if f == "last.ckpt"]
     assert os.path.getsize(last) > 0
-    assert figures["versions_seen"][-1] >= 20  # served with ever newer weights
+    assert figures["versions_seen"][-1] >= 40  # served with ever newer weights
     paths = _paths(os.path.join(workdir, "turns.sqlite"))
     assert all(paths[p] > 0 for p in paths), paths
     assert figures["heldout_after"] > figures["heldout_before"], figures
