@@ -126,7 +126,10 @@ def test_fsdp2_shards_the_frozen_models_and_their_kl_terms_equal_ddps(train, kin
         for a, b in zip(d["kl"], f["kl"], strict=True):
             assert a.keys() == b.keys() and "kl/k1_mean" in a
             for key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+                # fp32 rounding: after an update, DDP's and FSDP2's gradient reductions round
+                # differently, so log-probs of O(1) differ by ~1e-7 and so does a mean KL of
+                # O(1e-5) (seen: 1.5e-7); before the first update they are equal exactly
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-6), key
             moved = max(moved, abs(a["kl/k1_mean"]))
     assert moved > 1e-4
 
