@@ -248,6 +248,21 @@ class LLMJudgeHint(_Judge, HintProvider):
         return [accepted_hint([parse_hint(t) for t in group]) for group in texts]
 
 
+def next_state_votes(
+    judge: _Judge, problems: list[Problem], completions: list[str]
+) -> list[list[tuple[int | None, str | None]] | None]:
+    """The parsed votes (`parse_next_state_vote`) on each turn that has a next state; None for
+    a turn without one (no judge call) and for every turn when the judge call failed."""
+    asked = [k for k, p in enumerate(problems) if p.get("next_state")]
+    out: list[list[tuple[int | None, str | None]] | None] = [None] * len(problems)
+    texts = judge.vote_texts([problems[k] for k in asked], [completions[k] for k in asked])
+    if texts is None:
+        return out
+    for k, group in zip(asked, texts, strict=True):
+        out[k] = [parse_next_state_vote(t) for t in group]
+    return out
+
+
 class NextStateJudgeHint(_Judge, HintProvider):
     """Hint provider from a turn's next state, with OpenClaw-RL's prompt shape: the judge reads
     the turn together with the state that followed it, `(a_t, s_{t+1})`, `votes` times; each
@@ -268,14 +283,10 @@ class NextStateJudgeHint(_Judge, HintProvider):
         self.min_chars = min_chars
 
     def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
-        asked = [k for k, p in enumerate(problems) if p.get("next_state")]
-        out: list[str | None] = [None] * len(problems)
-        texts = self.vote_texts([problems[k] for k in asked], [completions[k] for k in asked])
-        if texts is None:
-            return out
-        for k, group in zip(asked, texts, strict=True):
-            out[k] = next_state_hint([parse_next_state_vote(t) for t in group], self.min_chars)
-        return out
+        return [
+            None if votes is None else next_state_hint(votes, self.min_chars)
+            for votes in next_state_votes(self, problems, completions)
+        ]
 
 
 class NextStateJudgeScore(_Judge, ScoreProvider):
@@ -291,12 +302,8 @@ class NextStateJudgeScore(_Judge, ScoreProvider):
     default_template = "judge_next_state_score.txt"
 
     def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
-        asked = [k for k, p in enumerate(problems) if p.get("next_state")]
-        out: list[float | None] = [None] * len(problems)
-        texts = self.vote_texts([problems[k] for k in asked], [completions[k] for k in asked])
-        if texts is None:
-            return out
-        for k, group in zip(asked, texts, strict=True):
-            value = majority_score([parse_next_state_vote(t)[0] for t in group])
-            out[k] = None if value is None else 2.0 * value - 1.0
+        out: list[float | None] = []
+        for votes in next_state_votes(self, problems, completions):
+            value = None if votes is None else majority_score([v for v, _ in votes])
+            out.append(None if value is None else 2.0 * value - 1.0)
         return out
