@@ -35,6 +35,19 @@ class LongReplies:
         return self.backend.generate(prompt_ids, n, dataclasses.replace(sampling, ignore_eos=True))
 
 
+class HeldReplies(LongReplies):
+    """Long replies that start only once `release` is set, so a client's short read timeout
+    expires during the generation however fast the machine generates."""
+
+    def __init__(self, backend: EngineBackend) -> None:
+        super().__init__(backend)
+        self.release = threading.Event()
+
+    def generate(self, prompt_ids, n, sampling):
+        self.release.wait(60)
+        return super().generate(prompt_ids, n, sampling)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = tiny_policy_path()
@@ -255,16 +268,19 @@ def test_rate_limit_answers_429(served):
 
 
 def test_a_client_that_leaves_mid_generation_is_not_recorded(served):
-    app = make_app(LongReplies(served.backend), served.store, model_name=MODEL)
+    held = HeldReplies(served.backend)
+    app = make_app(held, served.store, model_name=MODEL)
     with BackgroundServer(app) as server:
         body = {**_ok_body(), "max_tokens": 100, "session_id": "leaver"}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
                 f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=0.2)
             )
-        deadline = time.monotonic() + 15
-        while app.state.metrics.disconnects == 0 and time.monotonic() < deadline:
+        for _ in range(300):  # the app polls its client every 0.1 s
+            if app.state.metrics.disconnects:
+                break
             time.sleep(0.05)
+        held.release.set()
         assert app.state.metrics.disconnects == 1
         ok = httpx.post(
             f"{server.url}/v1/chat/completions",
