@@ -5,7 +5,7 @@
 The LM head (Qwen2.5-0.5B: 151,936 x 896, tied to the embeddings) lives in the root's FSDP2
 unit. Two ways to apply it chunk by chunk to the hidden states:
 - unshard once: read the weight after the root's forward, when FSDP2 keeps the root unsharded
-  until its backward (what `composer_lightning.forward` does) — one all-gather per forward;
+  until its backward (what `composer_lightning.training.forward` does) — one all-gather per forward;
 - per chunk: a separate FSDP unit for the head, gathered for every chunk in the forward and
   again in the checkpointed recompute (and reduce-scattered per chunk in the backward).
 This times one all-gather of that weight over 2 gloo ranks and one LM-head chunk matmul

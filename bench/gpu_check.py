@@ -39,7 +39,6 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from composer_lightning.callbacks.rollout import RolloutCallback  # noqa: E402
 from composer_lightning.datamodules.rollout import RolloutDataModule  # noqa: E402
 from composer_lightning.engines import HFEngine, SamplingConfig, VLLMEngine  # noqa: E402
 from composer_lightning.heads.dr_grpo import DrGRPOHead  # noqa: E402
@@ -48,8 +47,9 @@ from composer_lightning.heads.opd import OPDHead  # noqa: E402
 from composer_lightning.heads.replay_dpo import ReplayDPOHead  # noqa: E402
 from composer_lightning.heads.sdpo import SDPOHead  # noqa: E402
 from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
-from composer_lightning.module import ComposerModule  # noqa: E402
+from composer_lightning.rollout.callback import RolloutCallback  # noqa: E402
 from composer_lightning.tasks import VerifierHint  # noqa: E402
+from composer_lightning.training.module import ComposerModule  # noqa: E402
 
 QWEN_05B = dict(
     hidden_size=896,

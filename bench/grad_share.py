@@ -53,7 +53,7 @@ def _time(model: str, options: dict, steps: int) -> float:
     from composer_lightning.heads.opd import OPDHead
     from composer_lightning.heads.replay_dpo import ReplayDPOHead
     from composer_lightning.heads.sdpo import SDPOHead
-    from composer_lightning.module import ComposerModule
+    from composer_lightning.training.module import ComposerModule
 
     torch.manual_seed(0)
     heads = [

@@ -60,8 +60,8 @@ from composer_lightning.heads.kl import KLHead  # noqa: E402
 from composer_lightning.heads.opd import OPDHead  # noqa: E402
 from composer_lightning.heads.replay_dpo import ReplayDPOHead  # noqa: E402
 from composer_lightning.heads.sdpo import SDPOHead  # noqa: E402
-from composer_lightning.module import ComposerModule  # noqa: E402
-from composer_lightning.step import RolloutTargets, StepContext  # noqa: E402
+from composer_lightning.protocols.step import RolloutTargets, StepContext  # noqa: E402
+from composer_lightning.training.module import ComposerModule  # noqa: E402
 
 QWEN_WIDTHS = dict(
     vocab_size=151936,

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from composer_lightning.models.build_tiny import hint_accuracy  # noqa: E402
+from composer_lightning.assets.build_tiny import hint_accuracy  # noqa: E402
 from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
 from composer_lightning.tasks.base import Problem  # noqa: E402
 from composer_lightning.tasks.suite import (  # noqa: E402

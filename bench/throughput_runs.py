@@ -116,14 +116,14 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
     import lightning as L
     import torch
 
-    import composer_lightning.callbacks.rollout as rollout_file
     import composer_lightning.engines.fingerprint as fingerprint_file
-    import composer_lightning.module as module_file
-    from composer_lightning.callbacks.rollout import RolloutCallback
+    import composer_lightning.rollout.callback as rollout_file
+    import composer_lightning.training.module as module_file
     from composer_lightning.datamodules.rollout import RolloutDataModule
     from composer_lightning.engines import SamplingConfig, VLLMEngine
     from composer_lightning.heads.dr_grpo import DrGRPOHead
-    from composer_lightning.module import ComposerModule
+    from composer_lightning.rollout.callback import RolloutCallback
+    from composer_lightning.training.module import ComposerModule
 
     torch.set_num_threads(threads)
     timers = Timers()
@@ -204,11 +204,11 @@ def generation(path: str, steps: int, max_tokens: int, threads: int, record: str
 
     import torch
 
-    from composer_lightning.callbacks.generation import generate_on_rank
     from composer_lightning.datamodules.rollout import RolloutDataModule
     from composer_lightning.engines import SamplingConfig, VLLMEngine, iter_hf_weights
     from composer_lightning.engines.base import EngineContext
     from composer_lightning.models.random import load_policy
+    from composer_lightning.rollout.generation import generate_on_rank
 
     torch.set_num_threads(threads)
     data = RolloutDataModule(tokenizer=path, prompts_per_step=8, val_prompts=0)

@@ -57,7 +57,7 @@ def _quiet() -> None:
 
 def run_summary(module, trainer) -> str:
     """`composer_lightning: <policy> (N params), heads ..., engine ..., steps ..., logs in ...`"""
-    from composer_lightning.callbacks.samples import run_dir
+    from composer_lightning.runtime.rundir import run_dir
 
     params = sum(p.numel() for p in module.policy.parameters())
     trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
@@ -263,7 +263,7 @@ def check_mode(trainer: Any, serving: bool) -> None:
     Raises:
         ConfigError: the subcommand and the config disagree (one line saying which to use).
     """
-    from composer_lightning.errors import ConfigError
+    from composer_lightning.runtime.errors import ConfigError
 
     module = sys.modules.get("composer_lightning.serve.training")
     serves = module is not None and any(
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "heads":
         return list_heads()
     if args and args[0] == "export":
-        from composer_lightning.export import main as export
+        from composer_lightning.models.export import main as export
 
         return export(args[1:])
     serving = bool(args) and args[0] == "serve"  # fit, with the endpoint as the rollout side
@@ -310,15 +310,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from composer_lightning.callbacks.curves import Curves
     from composer_lightning.callbacks.progress import StepProgress
-    from composer_lightning.callbacks.rollout import RolloutCallback
-    from composer_lightning.logs import quiet_lightning
+    from composer_lightning.rollout.callback import RolloutCallback
+    from composer_lightning.runtime.logs import quiet_lightning
 
     _quiet()
     quiet_lightning()
-    from composer_lightning.distributed import RankError
-    from composer_lightning.errors import ConfigError, storage_error
-    from composer_lightning.module import ComposerModule, OutOfSyncError
+    from composer_lightning.runtime.distributed import RankError
+    from composer_lightning.runtime.errors import ConfigError, storage_error
     from composer_lightning.tasks.base import ScoringError
+    from composer_lightning.training.module import ComposerModule, OutOfSyncError
 
     class ComposerCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:

@@ -18,7 +18,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from composer_lightning.callbacks.curves import Curves
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig, VLLMEngine
 from composer_lightning.heads.dr_grpo import DrGRPOHead
@@ -26,8 +25,9 @@ from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule
+from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.tasks import VerifierHint, VerifierScore
+from composer_lightning.training.module import ComposerModule
 
 
 def main(argv: list[str] | None = None) -> ComposerModule:

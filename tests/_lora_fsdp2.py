@@ -22,9 +22,9 @@ def _rank(rank: int, world: int, port: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from composer_lightning.engines import iter_hf_weights
-    from composer_lightning.forward import score_tokens
     from composer_lightning.models.lora import AdapterFreeReference, lora_policy
     from composer_lightning.models.sharding import shard_fsdp2
+    from composer_lightning.training.forward import score_tokens
     from tests.helpers import tiny_model
     from tests.test_lora import _randomise
 

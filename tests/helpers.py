@@ -13,11 +13,11 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from composer_lightning.batch import RolloutBatch
 from composer_lightning.engines import HFEngine
 from composer_lightning.models.factory import TinyLlama
-from composer_lightning.module import ComposerModule
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.protocols.step import StepContext
+from composer_lightning.training.module import ComposerModule
 
 
 def quiet_trainer(**kwargs) -> L.Trainer:

@@ -17,11 +17,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from composer_lightning.checkpoint_io import AtomicCheckpointIO
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
-from composer_lightning.errors import CheckpointWriteError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
-from composer_lightning.module import ComposerModule
+from composer_lightning.runtime.checkpoint_io import AtomicCheckpointIO
+from composer_lightning.runtime.errors import CheckpointWriteError
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import FillDiskAt, tiny_model
 from tests.test_cli import ROOT, run_cli
 

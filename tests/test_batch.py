@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from composer_lightning.batch import RolloutBatch
+from composer_lightning.protocols.batch import RolloutBatch
 
 
 def _kw(**over):

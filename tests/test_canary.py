@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from composer_lightning.canary import OutOfSyncError, check_canary, nonfinite_loss
 from composer_lightning.datamodules.synthetic import synthetic_batch
-from composer_lightning.forward import score_tokens
 from composer_lightning.heads.dr_grpo import DrGRPOHead
-from composer_lightning.module import ComposerModule
+from composer_lightning.training.canary import OutOfSyncError, check_canary, nonfinite_loss
+from composer_lightning.training.forward import score_tokens
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer, tiny_model
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from composer_lightning.canary import CANARY_ROWS, version_logprobs
 from composer_lightning.datamodules.synthetic import synthetic_batch
-from composer_lightning.engines.weights import iter_hf_weights
-from composer_lightning.forward import score_tokens
 from composer_lightning.models.sharding import shard_fsdp2
+from composer_lightning.models.weights import iter_hf_weights
+from composer_lightning.training.canary import CANARY_ROWS, version_logprobs
+from composer_lightning.training.forward import score_tokens
 from tests.helpers import tiny_model
 
 

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from composer_lightning.errors import ConfigError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
-from composer_lightning.module import ComposerModule
+from composer_lightning.runtime.errors import ConfigError
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import tiny_model
 
 

@@ -16,7 +16,7 @@ import torch
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
-from composer_lightning.module import ComposerModule
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,8 +263,8 @@ def test_duplicate_head_names_are_one_line(tmp_path):
 
 
 def test_resuming_with_other_heads_is_one_error_unless_allowed_then_one_warning(caplog):
-    from composer_lightning.errors import ConfigError
     from composer_lightning.heads.sdpo import SDPOHead
+    from composer_lightning.runtime.errors import ConfigError
 
     checkpoint: dict = {}
     _module().on_save_checkpoint(checkpoint)  # dr_grpo + replay_dpo (a buffer)

@@ -4,11 +4,11 @@ import torch
 from transformers import AutoTokenizer
 
 from composer_lightning.chat import tokenize_prompt
-from composer_lightning.dispatch import build_rollout as _build
-from composer_lightning.dispatch import dispatch, provider_values
 from composer_lightning.engines.base import Completion
-from composer_lightning.episodes import one_turn_episodes
 from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.rollout.dispatch import build_rollout as _build
+from composer_lightning.rollout.dispatch import dispatch, provider_values
+from composer_lightning.rollout.episodes import one_turn_episodes
 from composer_lightning.tasks import HintProvider, ScoreProvider, VerifierScore
 
 

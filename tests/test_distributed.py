@@ -9,7 +9,14 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from composer_lightning.distributed import RankError, StepMetrics, agree, own, per_rank, shared_seed
+from composer_lightning.runtime.distributed import (
+    RankError,
+    StepMetrics,
+    agree,
+    own,
+    per_rank,
+    shared_seed,
+)
 
 # What each rank logs: rank 0 has 4 rewarded samples of mean 0.75, rank 1 has 12 of mean 0.
 PER_RANK = [

@@ -22,7 +22,7 @@ import torch
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.models.hub import resolve_model
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule
+from composer_lightning.training.module import ComposerModule
 
 ROOT = Path(__file__).resolve().parents[1]
 REV = "0123456789abcdef0123456789abcdef01234567"
@@ -199,7 +199,7 @@ def test_a_sharded_checkpoint_directory_exports_the_same_weights(run, exported, 
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from composer_lightning.export import export
+    from composer_lightning.models.export import export
 
     ckpt = torch.load(run["ckpt"], map_location="cpu", weights_only=False)
     sharded = tmp_path / "last.ckpt"
@@ -213,7 +213,7 @@ def test_a_sharded_checkpoint_directory_exports_the_same_weights(run, exported, 
 
 def test_export_errors_are_one_line(tmp_path):
     from composer_lightning.cli import main
-    from composer_lightning.export import push_to_hub
+    from composer_lightning.models.export import push_to_hub
 
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {"layer.weight": torch.zeros(2)}}, other)

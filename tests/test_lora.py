@@ -19,20 +19,20 @@ import torch
 pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel  # noqa: E402
 
-from composer_lightning.callbacks.rollout import RolloutCallback  # noqa: E402
 from composer_lightning.datamodules.rollout import RolloutDataModule  # noqa: E402
 from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights  # noqa: E402
-from composer_lightning.errors import ConfigError  # noqa: E402
-from composer_lightning.export import export  # noqa: E402
-from composer_lightning.forward import score_tokens  # noqa: E402
 from composer_lightning.functional import sequence_logprobs  # noqa: E402
 from composer_lightning.heads.dr_grpo import DrGRPOHead  # noqa: E402
 from composer_lightning.heads.kl import KLHead  # noqa: E402
+from composer_lightning.models.export import export  # noqa: E402
 from composer_lightning.models.loading import load_causal_lm  # noqa: E402
 from composer_lightning.models.lora import lora_policy  # noqa: E402
 from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
-from composer_lightning.module import ComposerModule  # noqa: E402
+from composer_lightning.rollout.callback import RolloutCallback  # noqa: E402
+from composer_lightning.runtime.errors import ConfigError  # noqa: E402
 from composer_lightning.tasks import VerifierHint  # noqa: E402
+from composer_lightning.training.forward import score_tokens  # noqa: E402
+from composer_lightning.training.module import ComposerModule  # noqa: E402
 from tests.helpers import one_sample_batch, quiet_trainer, tiny_model  # noqa: E402
 from tests.test_cli import ROOT  # noqa: E402
 

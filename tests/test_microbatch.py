@@ -15,8 +15,8 @@ from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
-from composer_lightning.microbatch import MicroBatching, buckets, lengths
-from composer_lightning.module import ComposerModule
+from composer_lightning.training.microbatch import MicroBatching, buckets, lengths
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer, tiny_model
 
 
@@ -102,8 +102,8 @@ def test_micro_batches_under_ddp_are_one_configuration_line():
 
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-    from composer_lightning.errors import ConfigError
-    from composer_lightning.inputs import check_trainer_options
+    from composer_lightning.runtime.errors import ConfigError
+    from composer_lightning.runtime.inputs import check_trainer_options
 
     def trainer(strategy):
         return SimpleNamespace(

@@ -16,9 +16,9 @@ from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
-from composer_lightning.module import ComposerModule
-from composer_lightning.objective import Objective
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.step import StepContext
+from composer_lightning.training.module import ComposerModule
+from composer_lightning.training.objective import Objective
 from tests.helpers import (
     ScriptedTeacher,
     context,

@@ -10,20 +10,20 @@ import lightning as L
 import pytest
 import torch
 
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.engines.background import BackgroundEngine
 from composer_lightning.engines.base import EngineContext
 from composer_lightning.engines.fingerprint import FingerprintRecorder, fingerprint_mismatches
-from composer_lightning.engines.weights import iter_hf_weights
-from composer_lightning.errors import ConfigError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.loading import load_causal_lm
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule, OutOfSyncError
+from composer_lightning.models.weights import iter_hf_weights
+from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.tasks import VerifierHint
+from composer_lightning.training.module import ComposerModule, OutOfSyncError
 from tests.helpers import BlindLostPushEngine, LostPushEngine, quiet_trainer
 
 POLICY = tiny_policy_path()

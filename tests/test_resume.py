@@ -9,15 +9,15 @@ import lightning as L
 import pytest
 import torch
 
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
-from composer_lightning.errors import ConfigError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
-from composer_lightning.module import ComposerModule
-from composer_lightning.resume import differences
+from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.runtime.errors import ConfigError
+from composer_lightning.runtime.resume import differences
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer, tiny_model
 
 

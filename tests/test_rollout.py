@@ -8,14 +8,14 @@ import lightning as L
 import pytest
 import torch
 
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule, OutOfSyncError
+from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.tasks import FunctionScore, ScoringError, VerifierHint
+from composer_lightning.training.module import ComposerModule, OutOfSyncError
 from tests.helpers import quiet_trainer
 
 POLICY = tiny_policy_path()
@@ -228,7 +228,7 @@ def test_a_judge_with_unparsable_output_gives_no_score_end_to_end():
 def test_sampling_seeds_never_repeat_across_steps_or_ranks(world, tp):
     """Each call uses seeds [seed, seed + prompts × G): the ranges of different (step, group)
     never overlap, and the ranks of one tensor-parallel group share theirs."""
-    from composer_lightning.callbacks.generation import sampling_seed
+    from composer_lightning.rollout.generation import sampling_seed
 
     P, G = 3 * tp, 4  # prompts in one call: a tensor-parallel group gathers its ranks' prompts
     used: dict[int, tuple[int, int]] = {}
@@ -262,7 +262,7 @@ def test_trace_batches_are_sharded_by_data_parallel_rank():
 def test_the_held_out_split_is_disjoint_from_the_training_stream():
     """By construction: the training stream never draws a held-out problem, the validation set
     only held-out ones; the split depends on the problem alone (any seed, any rank)."""
-    from composer_lightning.validation import is_heldout
+    from composer_lightning.rollout.validation import is_heldout
 
     dm = RolloutDataModule(tokenizer=POLICY, prompts_per_step=8, val_fraction=0.2, val_prompts=64)
     val = {str(p["messages"]) for p in dm.validation_problems()}

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.heads.dr_grpo import DrGRPOHead
-from composer_lightning.module import ComposerModule
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import full_logits, quiet_trainer, tiny_model
 
 CAP, LOW, HIGH, LR = 2.0, 0.2, 0.28, 40.0

@@ -28,7 +28,7 @@ def _config(tmp_path, score: dict, data: dict, heads: list[str], hint: dict | No
     config = {
         "trainer": {"accelerator": "cpu", "devices": 1, "logger": False},
         "rollout": {
-            "class_path": "composer_lightning.callbacks.rollout.RolloutCallback",
+            "class_path": "composer_lightning.rollout.callback.RolloutCallback",
             "init_args": {
                 "engine": {"class_path": "composer_lightning.engines.HFEngine"},
                 "group_size": 2,

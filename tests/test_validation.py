@@ -9,16 +9,16 @@ import logging
 import pytest
 import torch
 
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.engines.base import Completion
-from composer_lightning.errors import ConfigError
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule
+from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.rollout.validation import evaluate
+from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.tasks import FunctionScore, VerifierHint
-from composer_lightning.validation import evaluate
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer
 
 POLICY = tiny_policy_path()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from composer_lightning.checkpoint_io import AtomicCheckpointIO, atomic_saves
+from composer_lightning.runtime.checkpoint_io import AtomicCheckpointIO, atomic_saves
 
 
 class AtomicCheckpoints(L.Callback):

@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 
-from composer_lightning.callbacks.samples import run_dir
+from composer_lightning.runtime.rundir import run_dir
 
 
 class Curves(L.Callback):

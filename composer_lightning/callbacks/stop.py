@@ -26,8 +26,8 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from composer_lightning.callbacks.samples import run_dir
-from composer_lightning.distributed import per_rank
+from composer_lightning.runtime.distributed import per_rank
+from composer_lightning.runtime.rundir import run_dir
 
 #: The signals that stop a run at the end of the step.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

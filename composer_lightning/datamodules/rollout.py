@@ -23,13 +23,13 @@ from composer_lightning.datamodules.prompts import (
     read_prompt_file,
     truncate_left,
 )
-from composer_lightning.distributed import data_parallel
 from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
-from composer_lightning.resume import Differences
-from composer_lightning.resume import line as resume_line
+from composer_lightning.rollout.validation import is_heldout
+from composer_lightning.runtime.distributed import data_parallel
+from composer_lightning.runtime.resume import Differences
+from composer_lightning.runtime.resume import line as resume_line
 from composer_lightning.tasks import Task, get_task
 from composer_lightning.tasks.base import Problem
-from composer_lightning.validation import is_heldout
 
 __all__ = ["PromptStream", "RolloutDataModule", "read_prompt_file"]
 

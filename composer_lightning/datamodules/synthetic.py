@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from composer_lightning.batch import RolloutBatch
+from composer_lightning.protocols.batch import RolloutBatch
 
 
 def synthetic_batch(

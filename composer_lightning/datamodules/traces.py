@@ -22,11 +22,11 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from composer_lightning.batch import RolloutBatch
 from composer_lightning.chat import multi_turn_sample
 from composer_lightning.datamodules.jsonl import read_jsonl, stream_positions
-from composer_lightning.datamodules.packing import pack_samples
-from composer_lightning.distributed import data_parallel
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.rollout.packing import pack_samples
+from composer_lightning.runtime.distributed import data_parallel
 
 
 def _trace_problem(obj: dict[str, Any]) -> str | None:

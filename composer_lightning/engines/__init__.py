@@ -1,6 +1,8 @@
 """Rollout engines: sample completions from prompt token ids, accept weight pushes.
 
 `VLLMEngine` imports vLLM lazily, so this package imports without vLLM installed.
+
+May import: `functional`, `runtime`, `models` (hub ids, weights under HF names).
 """
 
 from composer_lightning.engines.base import (
@@ -13,7 +15,7 @@ from composer_lightning.engines.base import (
 from composer_lightning.engines.hf import HFEngine
 from composer_lightning.engines.openai import OpenAIEngine
 from composer_lightning.engines.vllm import VLLMEngine
-from composer_lightning.engines.weights import iter_hf_weights
+from composer_lightning.models.weights import iter_hf_weights
 
 __all__ = [
     "ChatEngine",

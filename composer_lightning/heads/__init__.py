@@ -2,6 +2,8 @@
 
 Built-in head classes are imported lazily (through the registry or their modules), so that
 listing heads never imports a broken plugin.
+
+May import: `functional`, `runtime`, `protocols` (what a head reads).
 """
 
 from composer_lightning.heads.base import REQUIREMENTS, Head, HeadOutput

@@ -17,8 +17,8 @@ from torch import Tensor
 from composer_lightning.heads.schedules import Schedule
 
 if TYPE_CHECKING:
-    from composer_lightning.batch import RolloutBatch
-    from composer_lightning.step import StepContext
+    from composer_lightning.protocols.batch import RolloutBatch
+    from composer_lightning.protocols.step import StepContext
 
 #: What a head may ask the step for (see `StepContext`).
 REQUIREMENTS = frozenset(

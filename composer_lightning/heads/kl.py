@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from composer_lightning.batch import RolloutBatch
 from composer_lightning.functional import kl_penalty
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import Schedule
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.protocols.step import StepContext
 
 _PLACEMENTS = ("advantage", "loss")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import warnings
 
-from composer_lightning.batch import RolloutBatch
 from composer_lightning.functional import opd_advantages
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import Schedule
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.protocols.step import StepContext
 
 
 class OPDHead(Head):

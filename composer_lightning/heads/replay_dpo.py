@@ -14,11 +14,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from composer_lightning.batch import RolloutBatch, pad_rows
 from composer_lightning.functional import dpo_loss, dpo_rewards, sequence_logprobs
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import Schedule
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.batch import RolloutBatch, pad_rows
+from composer_lightning.protocols.step import StepContext
 
 
 class ReplayDPOHead(Head):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-from composer_lightning.batch import RolloutBatch
 from composer_lightning.functional.chunked import chunked_generalized_jsd
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import LinearWarmup, Schedule
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.protocols.step import StepContext
 
 
 class SDPOHead(Head):

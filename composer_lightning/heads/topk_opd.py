@@ -17,7 +17,6 @@ from typing import Literal
 
 import torch
 
-from composer_lightning.batch import RolloutBatch
 from composer_lightning.functional.topk_opd import (
     SELECTIONS,
     SUBSETS,
@@ -28,7 +27,8 @@ from composer_lightning.functional.topk_opd import (
 )
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import Schedule
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.protocols.step import StepContext
 
 
 class TopKOPDHead(Head):

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from composer_lightning.errors import ConfigError
+from composer_lightning.runtime.errors import ConfigError
 
 # jsonargparse fills LoraConfig's `loftq_config` with LoftQConfig's defaults, which makes peft
 # warn about an option nobody set.
@@ -104,7 +103,7 @@ class AdapterFreeReference(nn.Module):
             return self._policy(*args, **kwargs)
 
 
-def _full(t: Tensor) -> Tensor:
+def unsharded(t: Tensor) -> Tensor:
     t = t.detach()
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # DTensor (FSDP2): a collective
 
@@ -130,14 +129,14 @@ def lora_delta(lora_A: Tensor, lora_B: Tensor, scaling: float, fan_in_fan_out: b
 
 def merged_weight(layer: nn.Module) -> Tensor:
     """A LoRA layer's base weight plus the update of each active adapter (full, detached)."""
-    weight = _full(layer.get_base_layer().weight)
+    weight = unsharded(layer.get_base_layer().weight)
     if layer.disable_adapters or layer.merged:  # nothing to add, or added already
         return weight
     for name in layer.active_adapters:
         if name in layer.lora_A:
             delta = lora_delta(
-                _full(layer.lora_A[name].weight),
-                _full(layer.lora_B[name].weight),
+                unsharded(layer.lora_A[name].weight),
+                unsharded(layer.lora_B[name].weight),
                 layer.scaling[name],
                 layer.fan_in_fan_out,
             )
@@ -148,26 +147,6 @@ def merged_weight(layer: nn.Module) -> Tensor:
 def base_name(name: str) -> str:
     """A peft parameter name as the base model's HF name (`base_layer.` dropped)."""
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
-
-
-@torch.no_grad()
-def merged_hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Yield `(hf_name, full_tensor)` of the merged base model, one at a time, in the order of
-    `named_parameters` (tied weights under each name): the engines' view of a LoRA policy.
-
-    A DTensor (FSDP2 shard) is gathered, a collective: every rank iterates to the end.
-    """
-    from composer_lightning.engines.weights import hf_name
-
-    for raw, param in model.named_parameters(remove_duplicate=False):
-        name = hf_name(raw)
-        if any(part.startswith("lora_") for part in name.split(".")):
-            continue  # merged into its base weight
-        owner, _, leaf = raw.rpartition(".base_layer.")
-        if owner and leaf == "weight":
-            yield base_name(name), merged_weight(model.get_submodule(owner))
-        else:
-            yield base_name(name), _full(param)
 
 
 def adapter_config(model: nn.Module) -> dict[str, Any] | None:

@@ -13,8 +13,8 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from composer_lightning.errors import ConfigError
 from composer_lightning.models.lora import is_lora
+from composer_lightning.runtime.errors import ConfigError
 
 
 def data_parallel_mesh(mesh: object) -> object:

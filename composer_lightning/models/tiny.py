@@ -1,7 +1,7 @@
 """The shipped tiny policy: a ~1M-parameter Llama and its byte-level BPE tokenizer, offline.
 
 `tiny_policy_path()` is a directory loadable with `AutoModelForCausalLM` / `AutoTokenizer`
-(and vLLM, `dtype="float32"`), built by `composer_lightning.models.build_tiny` without any
+(and vLLM, `dtype="float32"`), built by `composer_lightning.assets.build_tiny` without any
 download. Tokenizer: byte-level BPE (digits split one per token) with special tokens
 `<|bos|>` (bos), `<|eot|>` (eos, end of turn), `<|pad|>` and one role token per chat role; the
 chat template renders `<|bos|>` then `<|role|>content<|eot|>` per turn and `<|assistant|>` as
@@ -110,7 +110,7 @@ def tiny_policy_path() -> str:
 
 def tiny_tool_policy_path() -> str:
     """The directory of the shipped tiny tool policy (`composer_lightning/assets/
-    tiny_tool_policy`, built by `composer_lightning.models.build_tiny_tool`): it plays
+    tiny_tool_policy`, built by `composer_lightning.assets.build_tiny_tool`): it plays
     `ToolCalc` episodes, calling its `add` tool, sometimes wrongly."""
     return str(Path(__file__).resolve().parent.parent / "assets" / "tiny_tool_policy")
 

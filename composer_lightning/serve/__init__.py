@@ -4,6 +4,9 @@
 (app.py) is the endpoint; `EngineBackend` (backend.py) puts a rollout engine behind it;
 `BackgroundServer` (server.py) runs it with uvicorn on a thread; `ServeCallback` and
 `ServeDataModule` (training.py) train on what was served (`python -m composer_lightning serve`).
+
+May import: every room below it in `composer_lightning.LAYERS` (it trains through the
+rollout callback's push and the module's step).
 """
 
 from composer_lightning.serve.app import ServeMetrics, make_app

@@ -35,14 +35,14 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, IterableDataset
 
-from composer_lightning.batch import RolloutBatch
-from composer_lightning.callbacks.rollout import RolloutCallback
-from composer_lightning.datamodules.packing import pack_samples
-from composer_lightning.dispatch import dispatch, provider_values, rollout_sample
-from composer_lightning.distributed import StepMetrics
 from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
-from composer_lightning.engines.weights import iter_hf_weights
-from composer_lightning.errors import ConfigError
+from composer_lightning.models.weights import iter_hf_weights
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.rollout.dispatch import dispatch, provider_values, rollout_sample
+from composer_lightning.rollout.packing import pack_samples
+from composer_lightning.runtime.distributed import StepMetrics
+from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
 
 log = logging.getLogger(__name__)

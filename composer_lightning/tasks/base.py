@@ -7,7 +7,7 @@ rollout side turns verdicts into scores (`ScoreProvider`) and hints (`HintProvid
 inputs of the four-way dispatch (DESIGN.md).
 
 Provider failures are per sample: a reward function that raises, returns something that is not
-a number, or runs past its timeout (`tasks/calls.py`) gives `None` for that sample (counted in
+a number, or runs past its timeout (`runtime/calls.py`) gives `None` for that sample (counted in
 `provider.failures`), never a crashed or stuck batch. Reward functions (`FunctionScore`, TRL's
 batched form included) live in `tasks/rewards.py`. Whether "every sample failed" is an error
 is the caller's decision; `ScoringError.raise_if_all_failed` makes it a clear one.
@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from composer_lightning.tasks.calls import BadValue, as_hint, call_each, check_timeout
+from composer_lightning.runtime.moved import moved_attribute
 
 logger = logging.getLogger(__name__)
 
@@ -128,200 +128,10 @@ class HintProvider(ABC):
         """One hint (or None) per (problem, completion) pair."""
 
 
-def _check_lengths(problems: Sequence[Any], completions: Sequence[Any]) -> None:
+def check_lengths(problems: Sequence[Any], completions: Sequence[Any]) -> None:
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
 
 
-class _VerifierBase:
-    """Shared lookup of a problem's verifier and per-sample failure accounting."""
-
-    _consequence = "it gets no score/hint"
-
-    def __init__(self, task: Task | str | None = None, timeout: float | None = DEFAULT_TIMEOUT):
-        if isinstance(task, str):
-            from composer_lightning.tasks.registry import get_task
-
-            task = get_task(task)
-        self.task = task
-        self.timeout = check_timeout(timeout, type(self).__name__)
-        self.failures = 0
-        self._cache: dict[str, Task] = {}
-
-    def _task_for(self, problem: Problem) -> Task:
-        if self.task is not None:
-            return self.task
-        name = problem.get("task")
-        if not name:
-            raise ValueError(
-                "problem has no 'task' field and the provider was built without a task"
-            )
-        if name not in self._cache:
-            from composer_lightning.tasks.registry import get_task
-
-            self._cache[name] = get_task(name)
-        return self._cache[name]
-
-    def check(self, problems: Sequence[Problem]) -> str | None:
-        """What keeps this verifier from judging `problems` (no task to look up, an unknown
-        task, a field its verifier reads missing), said once for the first such problem; None
-        when it can judge them all. Called before a run starts, so that a misconfiguration is
-        one line instead of a warning per sample."""
-        for i, problem in enumerate(problems):
-            try:
-                task = self._task_for(problem)
-            except (ValueError, KeyError, ImportError) as err:
-                return f"problem {i}: {err}"
-            missing = [f for f in task.required_fields if f not in problem]
-            if missing:
-                return f"problem {i}: the {task.name!r} verifier needs field(s) {missing}"
-        return None
-
-    def _verify(self, problem: Problem, completion: str) -> Verdict:
-        return self._task_for(problem).verify(problem, completion)
-
-    def _verdicts(self, problems: list[Problem], completions: list[str]) -> list[Verdict | None]:
-        _check_lengths(problems, completions)
-        verdicts, failures = call_each(
-            self._verify,
-            problems,
-            completions,
-            self.timeout,
-            "verifier",
-            self._consequence,
-            _as_verdict,
-        )
-        self.failures += failures
-        return verdicts
-
-
-def _as_verdict(value: Any) -> Verdict:
-    if not isinstance(value, Verdict):
-        raise BadValue(f"{type(value).__name__} {value!r}", "a Verdict")
-    return value
-
-
-class VerifierScore(_VerifierBase, ScoreProvider):
-    """Scores with the task verifier: always usable unless the verifier raises or times out.
-
-    Args:
-        task: the task (instance, short name or class path); None looks up `problem["task"]`.
-        timeout: seconds one `verify` call may take before its sample gets no score (the call
-            runs on in a background thread, see `tasks/calls.py`); None: no limit, and calls run
-            in the training loop's thread.
-    """
-
-    _consequence = "it gets no score"
-
-    def score(self, problems: list[Problem], completions: list[str]) -> list[float | None]:
-        return [
-            None if v is None else float(v.reward) for v in self._verdicts(problems, completions)
-        ]
-
-
-class VerifierHint(_VerifierBase, HintProvider):
-    """Hints from the task verifier's error-derived `Verdict.hint` (None when correct).
-
-    Args:
-        task: the task (instance, short name or class path); None looks up `problem["task"]`.
-        timeout: seconds one `verify` call may take before its sample gets no hint; None: no
-            limit (see `VerifierScore`).
-        candidates: up to this many candidate hints per wrong sample (`Task.hint_candidates`,
-            the verifier's hint first), for top-k OPD's hint selection; 1: the hint alone.
-    """
-
-    _consequence = "it gets no hint"
-
-    def __init__(
-        self,
-        task: Task | str | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        candidates: int = 1,
-    ):
-        super().__init__(task, timeout)
-        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
-            raise ValueError(
-                f"VerifierHint: candidates must be an integer >= 1, got {candidates!r}"
-            )
-        self.candidates = candidates
-
-    def _candidates(self, problem: Problem, completion: str) -> list[str]:
-        return self._task_for(problem).hint_candidates(problem, completion, self.candidates)[
-            : self.candidates
-        ]
-
-    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
-        if self.candidates == 1:
-            return [None if v is None else v.hint for v in self._verdicts(problems, completions)]
-        _check_lengths(problems, completions)
-        values, failures = call_each(
-            self._candidates,
-            problems,
-            completions,
-            self.timeout,
-            "verifier",
-            self._consequence,
-            as_hint,
-        )
-        self.failures += failures
-        return values
-
-
-class FunctionHint(HintProvider):
-    """Hints from a plain function `fn(problem, completion) -> str | None` (None: no hint).
-
-    A call that raises, returns anything but a string or None, or runs past `timeout` gives no
-    hint for that sample, one warning line, and counts in `failures`.
-
-    Args:
-        fn: the hint function.
-        timeout: seconds one call may take before its sample gets no hint (it runs on in a
-            background thread, see `tasks/calls.py`); None: no limit, and calls run in the
-            training loop's thread.
-    """
-
-    def __init__(
-        self, fn: Callable[[Problem, str], str | None], timeout: float | None = DEFAULT_TIMEOUT
-    ) -> None:
-        self.fn = fn
-        self.timeout = check_timeout(timeout, "FunctionHint")
-        self.failures = 0
-
-    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
-        _check_lengths(problems, completions)
-        values, failures = call_each(
-            self.fn,
-            problems,
-            completions,
-            self.timeout,
-            "hint function",
-            "it gets no hint",
-            as_hint,
-        )
-        self.failures += failures
-        return values
-
-
-class ToolErrorHint(HintProvider):
-    """The tool's own error message as the hint of the turn that caused it, at no judge cost
-    (seed 000's hint at the erroneous tool turn, from the live rollout): a turn whose next
-    state carries a `tool_error` gets `template` with `{error}` replaced by it; every other
-    turn gets none.
-
-    Args:
-        template: the hint text around the error; default the error itself.
-    """
-
-    def __init__(self, template: str = "{error}") -> None:
-        if "{error}" not in template:
-            raise ValueError(f"ToolErrorHint template must contain '{{error}}', got {template!r}")
-        self.template = template
-
-    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
-        _check_lengths(problems, completions)
-        return [
-            None
-            if p.get("tool_error") is None
-            else self.template.replace("{error}", str(p["tool_error"]))
-            for p in problems
-        ]
+def __getattr__(name: str) -> object:  # the providers that moved out (runtime/moved.py)
+    return moved_attribute(__name__, name)

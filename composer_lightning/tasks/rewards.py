@@ -33,8 +33,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from composer_lightning.runtime.calls import as_reward, call_batch, call_each, check_timeout
 from composer_lightning.tasks.base import DEFAULT_TIMEOUT, Problem, ScoreProvider
-from composer_lightning.tasks.calls import as_reward, call_batch, call_each, check_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class FunctionScore(ScoreProvider):
         clip: optional `(low, high)` bounds the combined rewards are clipped to.
         timeout: seconds one call may take (a per-sample call, or a whole batched call) before
             its samples get no score (the call runs on in a background thread, see
-            `tasks/calls.py`); None: no limit, and calls run in the training loop's thread.
+            `runtime/calls.py`); None: no limit, and calls run in the training loop's thread.
         reward_weights: one weight per function (TRL's `reward_weights`); None: all 1.
         batched: True: every function is TRL-style batched; False: every one is per sample;
             None: each function's form from its signature (`takes_batches`).

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from composer_lightning.rollout.validation import is_heldout  # noqa: E402
 from composer_lightning.tasks.arithmetic import Arithmetic  # noqa: E402
-from composer_lightning.validation import is_heldout  # noqa: E402
 
 MODEL = "policy"
 

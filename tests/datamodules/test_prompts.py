@@ -11,7 +11,7 @@ from composer_lightning.chat import tokenize_prompt
 from composer_lightning.datamodules.prompts import truncate_left
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.validation import is_heldout
+from composer_lightning.rollout.validation import is_heldout
 
 POLICY = tiny_policy_path()
 

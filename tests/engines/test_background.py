@@ -18,9 +18,9 @@ import torch
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.engines.background import BackgroundEngine, EngineTimeout
 from composer_lightning.engines.base import EngineContext
-from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.models.loading import load_causal_lm
 from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.models.weights import iter_hf_weights
 from tests.helpers import HangingEngine
 
 POLICY = tiny_policy_path()
@@ -117,7 +117,7 @@ TRAINER = textwrap.dedent(
     from composer_lightning.engines import SamplingConfig
     from composer_lightning.engines.background import BackgroundEngine
     from composer_lightning.engines.base import EngineContext
-    from composer_lightning.engines.weights import iter_hf_weights
+    from composer_lightning.models.weights import iter_hf_weights
     from composer_lightning.models.loading import load_causal_lm
     from composer_lightning.models.tiny import tiny_policy_path
     from tests.helpers import HangingEngine

@@ -33,12 +33,9 @@ from openenv.core.llm_client import LLMResponse  # noqa: E402
 from openenv.core.llm_client import ToolCall as OEToolCall  # noqa: E402
 
 from composer_lightning.envs import Environment  # noqa: E402
-from composer_lightning.envs.openenv_env import (  # noqa: E402
-    OpenEnvEpisode,
-    OpenEnvTask,
-    parse_tool_calls,
-)
+from composer_lightning.envs.openenv_env import OpenEnvEpisode, parse_tool_calls  # noqa: E402
 from composer_lightning.tasks import get_task  # noqa: E402
+from composer_lightning.tasks.openenv import OpenEnvTask  # noqa: E402
 
 ECHO_TOOL = Tool(
     name="echo_message",
@@ -228,7 +225,7 @@ def test_task_draws_episodes_by_dotted_path(echo_server, closing):
     its problems carry the drawn OpenEnv task and a seed, and its environment plays them."""
     base_url, package_dir = echo_server
     task = get_task(
-        "composer_lightning.envs.openenv_env.OpenEnvTask",
+        "composer_lightning.tasks.openenv.OpenEnvTask",
         factory=f"{__name__}:EchoSessions",
         factory_args={"base_url": base_url, "package_dir": package_dir},
         tasks=[{"prompt": "Echo 'a'."}, {"prompt": "Echo 'bb'."}],
@@ -238,7 +235,7 @@ def test_task_draws_episodes_by_dotted_path(echo_server, closing):
     problems = task.samples(4, seed=0)
     assert problems == task.samples(4, seed=0)
     assert {p["openenv_task"]["prompt"] for p in problems} <= {"Echo 'a'.", "Echo 'bb'."}
-    assert all(p["task"] == "composer_lightning.envs.openenv_env.OpenEnvTask" for p in problems)
+    assert all(p["task"] == "composer_lightning.tasks.openenv.OpenEnvTask" for p in problems)
     env = task.environment(problems[0])
     closing(env)
     assert env.reset(problems[0])[1]["content"] == problems[0]["openenv_task"]["prompt"]

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from composer_lightning.chat import TraceSample
-from composer_lightning.datamodules.packing import pack_samples
 from composer_lightning.functional.topk_opd import (
     candidate_overlap,
     chunked_logprobs_at,
@@ -19,7 +18,8 @@ from composer_lightning.functional.topk_opd import (
     topk_opd_per_token,
 )
 from composer_lightning.heads.topk_opd import TopKOPDHead
-from composer_lightning.module import ComposerModule
+from composer_lightning.rollout.packing import pack_samples
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import context, full_logits, tiny_model
 
 

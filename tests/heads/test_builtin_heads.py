@@ -14,7 +14,7 @@ from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.heads.sdpo import SDPOHead
-from composer_lightning.module import ComposerModule
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import context, full_logits, one_sample_batch, tiny_model
 
 

@@ -17,7 +17,7 @@ from composer_lightning.heads import (
     LinearWarmup,
     registry,
 )
-from composer_lightning.module import ComposerModule
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import context, tiny_model
 
 NAMES = sorted(registry.registered())

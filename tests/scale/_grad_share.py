@@ -29,7 +29,7 @@ def heads():
 
 
 def module(**kwargs):
-    from composer_lightning.module import ComposerModule
+    from composer_lightning.training.module import ComposerModule
     from tests.helpers import tiny_model
 
     return ComposerModule(tiny_model(seed=1), heads(), reference=tiny_model(seed=2), **kwargs)
@@ -68,9 +68,9 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def _micro(b, mesh) -> dict:
-    from composer_lightning import accumulate
-    from composer_lightning.microbatch import plans
     from composer_lightning.models.sharding import shard_fsdp2
+    from composer_lightning.training import accumulate
+    from composer_lightning.training.microbatch import plans
 
     m = module(micro_batch_size=3)
     shard_fsdp2(m.policy, mesh, "32-true")

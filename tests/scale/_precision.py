@@ -22,11 +22,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
 from composer_lightning.datamodules.synthetic import synthetic_batch
-from composer_lightning.engines.weights import iter_hf_weights
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.factory import TinyLlama
-from composer_lightning.module import ComposerModule
+from composer_lightning.models.weights import iter_hf_weights
+from composer_lightning.training.module import ComposerModule
 
 LR, EPS = 1e-6, 1e-8
 

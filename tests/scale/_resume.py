@@ -27,7 +27,6 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights
 from composer_lightning.heads.dr_grpo import DrGRPOHead
@@ -35,8 +34,9 @@ from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule
+from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.tasks import VerifierHint
+from composer_lightning.training.module import ComposerModule
 
 STEPS, KILL_AT = 4, 3
 MAX_STALENESS = int(os.environ.get("MAX_STALENESS", "0"))  # generation ahead by this many

@@ -25,12 +25,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule
+from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import SignalAt, fill_disk
 
 STEPS, SIGNAL_IN = 5, 3  # the signal arrives while step 3 runs: both ranks stop after it

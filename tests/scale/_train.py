@@ -28,8 +28,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from composer_lightning.callbacks.rollout import RolloutCallback
-from composer_lightning.canary import default_max_logprob_gap
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights
@@ -41,8 +39,10 @@ from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.heads.topk_opd import TopKOPDHead
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule
+from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.tasks import FunctionScore, VerifierHint, VerifierScore
+from composer_lightning.training.canary import default_max_logprob_gap
+from composer_lightning.training.module import ComposerModule
 
 kind, out = sys.argv[1], sys.argv[2]
 rollouts = kind.split("_")[-1] in ("rollout", "uneven", "raise")

@@ -13,7 +13,7 @@ from composer_lightning.functional.gradients import (
     gradient_shares,
     hidden_gradients,
 )
-from composer_lightning.mixer import grad_norm_scales
+from composer_lightning.training.mixer import grad_norm_scales
 from tests.scale._grad_share import batch, module
 from tests.test_cli import ROOT
 

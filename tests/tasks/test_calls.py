@@ -1,4 +1,4 @@
-"""Reward, verifier and hint calls: numbers only, and a timeout per call (`tasks/calls.py`)."""
+"""Reward, verifier and hint calls: numbers only, and a timeout per call (`runtime/calls.py`)."""
 
 from __future__ import annotations
 

@@ -13,14 +13,14 @@ import urllib.request
 import pytest
 import torch
 
-from composer_lightning.callbacks.rollout import RolloutCallback
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, OpenAIEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.module import ComposerModule
+from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.tasks import Arithmetic, LLMJudgeScore, VerifierHint
+from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer
 
 pytestmark = pytest.mark.vllm

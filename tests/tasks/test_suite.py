@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from composer_lightning.assets.build_tiny import hint_accuracy
 from composer_lightning.datamodules.rollout import RolloutDataModule
-from composer_lightning.models.build_tiny import hint_accuracy
 from composer_lightning.tasks.suite import (
     FIGURES,
     MAX_PLAIN_SAMPLED,

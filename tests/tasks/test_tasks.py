@@ -200,8 +200,8 @@ def test_verdict_rejects_out_of_range_reward() -> None:
 
 
 def test_hint_candidates_the_verifier_hint_first_then_the_other_digits() -> None:
+    from composer_lightning.runtime.calls import as_hint, hint_candidates
     from composer_lightning.tasks import VerifierHint
-    from composer_lightning.tasks.calls import as_hint, hint_candidates
 
     task = Arithmetic(max_value=999)
     p = task.make(517, "+", 38)  # 555

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from composer_lightning.models.build_tiny import hint_accuracy
+from composer_lightning.assets.build_tiny import hint_accuracy
 from composer_lightning.models.tiny import (
     CHECKSUMS,
     file_checksums,

@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from composer_lightning.envs import PythonToolEnv
-from composer_lightning.models.build_tiny_tool import (
+from composer_lightning.assets.build_tiny_tool import (
     TOOL_CHAT_TEMPLATE,
     encode_episode,
     run_episodes,
     scripted_episode,
 )
+from composer_lightning.envs import PythonToolEnv
 from composer_lightning.models.tiny import CHECKSUMS, tiny_tool_policy_path, verify_checksums
 from composer_lightning.tasks.tool_calc import ToolCalc, add
 

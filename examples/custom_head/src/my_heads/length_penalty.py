@@ -6,9 +6,9 @@ is mixed into the same clipped surrogate as the built-in advantage heads.
 
 from __future__ import annotations
 
-from composer_lightning.batch import RolloutBatch
 from composer_lightning.heads import Head, HeadOutput, Schedule
-from composer_lightning.step import StepContext
+from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.protocols.step import StepContext
 
 
 class LengthPenaltyHead(Head):

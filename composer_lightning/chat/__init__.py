@@ -1,0 +1,41 @@
+"""Chat templates on token ids, and where the hint goes.
+
+Owns: rendering a problem's chat (and the tools shown to the model) to the token ids the engine
+receives (`templates.py`), and the teacher's hinted context beside the student's, aligned token
+by token (`hints.py`). May import: nothing of the package (a tokenizer and messages in, token
+ids out).
+"""
+
+from composer_lightning.chat.hints import (
+    TeacherContext,
+    TraceSample,
+    first_error_turn,
+    hint_message,
+    multi_turn_sample,
+    single_turn_teacher,
+)
+from composer_lightning.chat.templates import (
+    BASE_HINT_SEPARATOR,
+    Message,
+    has_chat_template,
+    plain_prompt,
+    problem_messages,
+    render_ids,
+    tokenize_prompt,
+)
+
+__all__ = [
+    "BASE_HINT_SEPARATOR",
+    "Message",
+    "TeacherContext",
+    "TraceSample",
+    "first_error_turn",
+    "has_chat_template",
+    "hint_message",
+    "multi_turn_sample",
+    "plain_prompt",
+    "problem_messages",
+    "render_ids",
+    "single_turn_teacher",
+    "tokenize_prompt",
+]

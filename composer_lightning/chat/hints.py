@@ -1,0 +1,210 @@
+"""Where the hint goes: the teacher's context beside the student's, aligned token by token.
+
+Single-turn, the hint follows the prompt as an extra `hint_role` message, then the *same*
+response ids; multi-turn tool traces, right after the first erroneous turn (a turn whose
+structured `tool_error` field is not None — never string matching) and before the next
+assistant turn (DESIGN.md). Teacher and student are aligned by `teacher_positions` (the teacher
+index of each student response token), built by rendering the chat turn by turn: that needs a
+*prefix-stable* template (rendering the first k turns gives a token prefix of rendering k + 1);
+a template that is not raises ValueError rather than misalign tokens. Without a chat template
+the hint is appended to the prompt text, `prompt + BASE_HINT_SEPARATOR + hint +
+BASE_HINT_SEPARATOR`, before the same response ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer_lightning.chat.templates import (
+    BASE_HINT_SEPARATOR,
+    Message,
+    has_chat_template,
+    no_template,
+    render_ids,
+)
+
+
+@dataclass
+class TeacherContext:
+    """A hinted single-turn context.
+
+    Attributes:
+        teacher_ids: hinted prompt ⊕ the student's response ids.
+        response_start: teacher index of the first response token.
+    """
+
+    teacher_ids: list[int]
+    response_start: int
+
+    def positions(self, prompt_len: int, seq_len: int) -> list[int]:
+        """`teacher_positions` for a student sequence of `seq_len` tokens whose response starts
+        at `prompt_len` (−1 on prompt tokens)."""
+        n_response = len(self.teacher_ids) - self.response_start
+        if seq_len - prompt_len != n_response:
+            raise ValueError(
+                f"student has {seq_len - prompt_len} response tokens, teacher {n_response}"
+            )
+        return [-1] * prompt_len + list(range(self.response_start, len(self.teacher_ids)))
+
+
+def hint_message(hint: str, hint_role: str = "user") -> Message:
+    """The message that carries a hint."""
+    if hint_role not in ("user", "system"):
+        raise ValueError(f"hint_role must be 'user' or 'system', got {hint_role!r}")
+    return {"role": hint_role, "content": hint}
+
+
+def single_turn_teacher(
+    tokenizer: Any,
+    messages: list[Message],
+    response_ids: list[int],
+    hint: str,
+    hint_role: str = "user",
+    tools: list[dict[str, Any]] | None = None,
+) -> TeacherContext:
+    """Teacher context: `messages` + hint message, generation prompt, then the same response
+    (`tools`: the tool specs the student was shown). For turn t of an episode, `messages` is
+    turn t's context: the hint is spliced right before the turn it is about.
+    Without a chat template (a base model, whose prompt is one plain-text user message):
+    `prompt + BASE_HINT_SEPARATOR + hint + BASE_HINT_SEPARATOR`, then the same response.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        messages: the student's prompt chat.
+        response_ids: the sampled response token ids (copied unchanged).
+        hint: hint text.
+        hint_role: role of the hint message ("user" or "system").
+    """
+    if has_chat_template(tokenizer):
+        prompt = render_ids(
+            tokenizer,
+            [*messages, hint_message(hint, hint_role)],
+            add_generation_prompt=True,
+            tools=tools,
+        )
+    elif len(messages) == 1 and messages[0]["role"] == "user":
+        sep = BASE_HINT_SEPARATOR
+        prompt = list(tokenizer(f"{messages[0]['content']}{sep}{hint}{sep}")["input_ids"])
+    else:
+        raise no_template(tokenizer, "a conversational prompt (a chat)")
+    return TeacherContext(teacher_ids=prompt + list(response_ids), response_start=len(prompt))
+
+
+@dataclass
+class TraceSample:
+    """A tokenised multi-turn trace, with its hinted teacher when there is one.
+
+    Attributes:
+        student_ids: the chat template over the whole trace.
+        response_mask: per student token, True on assistant content (incl. end of turn).
+        teacher_ids: the trace with the hint after the first error turn; None without teacher.
+        teacher_positions: per student token, the teacher index of the same token on response
+            tokens, −1 elsewhere (all −1 without teacher).
+        sdpo_mask: response tokens after the hint (the recovery); all False without teacher.
+        error_turn: index of the first message with a `tool_error`, or None.
+        candidates: `(teacher_ids, teacher_positions)` of each candidate hint, shortest hint
+            first (top-k OPD's hint selection); empty without candidates.
+    """
+
+    student_ids: list[int]
+    response_mask: list[bool]
+    teacher_ids: list[int] | None
+    teacher_positions: list[int]
+    sdpo_mask: list[bool]
+    error_turn: int | None
+    candidates: list[tuple[list[int], list[int]]] = field(default_factory=list)
+
+    @property
+    def has_teacher(self) -> bool:
+        """Whether a hinted teacher context exists."""
+        return self.teacher_ids is not None
+
+
+def _turn_spans(
+    tokenizer: Any, messages: list[Message]
+) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Full ids and per turn (start, content_start, end); content_start is only meaningful for
+    assistant turns (after the generation prompt). Turn 0 starts at 0 (it includes any bos)."""
+    full = render_ids(tokenizer, messages)
+    spans: list[tuple[int, int, int]] = []
+    start = 0
+    for k, msg in enumerate(messages):
+        prefix = full if k == len(messages) - 1 else render_ids(tokenizer, messages[: k + 1])
+        if full[: len(prefix)] != prefix:
+            raise ValueError(f"chat template is not prefix-stable: turn {k} re-renders differently")
+        content_start = start
+        if msg["role"] == "assistant":
+            if k == 0:
+                raise ValueError("a trace cannot start with an assistant turn")
+            header = render_ids(tokenizer, messages[:k], add_generation_prompt=True)
+            if full[: len(header)] != header:
+                raise ValueError(
+                    f"chat template is not prefix-stable: generation prompt at turn {k}"
+                )
+            content_start = len(header)
+        spans.append((start, content_start, len(prefix)))
+        start = len(prefix)
+    return full, spans
+
+
+def first_error_turn(messages: list[Message]) -> int | None:
+    """Index of the first message whose `tool_error` field is not None."""
+    return next((i for i, m in enumerate(messages) if m.get("tool_error") is not None), None)
+
+
+def multi_turn_sample(
+    tokenizer: Any,
+    messages: list[Message],
+    hint: str | None = None,
+    hint_role: str = "user",
+) -> TraceSample:
+    """Tokenise a tool trace; with a hint and an error turn, build the hinted teacher.
+
+    The hint message goes right after the first erroneous turn. A trace without an error turn,
+    without a hint, or without an assistant turn after the error gets no teacher (nothing after
+    the hint to supervise).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or it is not prefix-stable, so tokens
+            cannot be aligned.
+    """
+    if not has_chat_template(tokenizer):
+        raise no_template(tokenizer, "a multi-turn tool trace")
+    student, spans = _turn_spans(tokenizer, messages)
+    response_mask = [False] * len(student)
+    for (_, content_start, end), msg in zip(spans, messages, strict=True):
+        if msg["role"] == "assistant":
+            response_mask[content_start:end] = [True] * (end - content_start)
+    error = first_error_turn(messages)
+    no_teacher = TraceSample(
+        student, response_mask, None, [-1] * len(student), [False] * len(student), error
+    )
+    recovers = error is not None and any(m["role"] == "assistant" for m in messages[error + 1 :])
+    if hint is None or not recovers:
+        return no_teacher
+    assert error is not None
+    teacher_messages = [
+        *messages[: error + 1],
+        hint_message(hint, hint_role),
+        *messages[error + 1 :],
+    ]
+    teacher, teacher_spans = _turn_spans(tokenizer, teacher_messages)
+    positions = [-1] * len(student)
+    sdpo_mask = [False] * len(student)
+    for k, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        _, s_content, s_end = spans[k]
+        _, t_content, t_end = teacher_spans[k if k <= error else k + 1]
+        if s_end - s_content != t_end - t_content:
+            raise ValueError(
+                f"chat template is not prefix-stable: turn {k} changes length with the hint"
+            )
+        for t in range(s_content, s_end):
+            p = t - s_content + t_content
+            if teacher[p] != student[t]:
+                raise ValueError(f"chat template is not prefix-stable: token mismatch at turn {k}")
+            positions[t] = p
+            sdpo_mask[t] = k > error
+    return TraceSample(student, response_mask, teacher, positions, sdpo_mask, error)

@@ -1,0 +1,100 @@
+"""Chat templates on token ids: a problem's chat, its prompt ids, and rendering with tools.
+
+Without a chat template (a base model) prompts are plain text, as in TRL's standard format: a
+`{"prompt": text}` problem (or a task's chat of one user message) is tokenised as it is
+(`tokenizer(text)`, special tokens as the tokenizer adds them). Any other chat (a
+conversational `{"prompt": [...]}` row, a system message, a tool trace) needs a template: one
+ValueError naming the tokenizer, as TRL's `apply_chat_template` refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Message = dict[str, Any]
+
+#: What separates a base model's prompt text from the hint, and the hint from the response.
+BASE_HINT_SEPARATOR = "\n\n"
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer has a chat template (a base model's tokenizer usually has none)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def no_template(tokenizer: Any, what: str) -> ValueError:
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    return ValueError(
+        f"tokenizer {name!r} has no chat template, so {what} cannot be rendered: give plain-text "
+        'prompts ({"prompt": "..."}) or a tokenizer with a chat template'
+    )
+
+
+def render_ids(
+    tokenizer: Any,
+    messages: list[Message],
+    add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of `messages` (and the `tools` specs shown to the model) under the tokenizer's
+    chat template (no extra special tokens).
+
+    Raises:
+        ValueError: the tokenizer has no chat template (one line naming it).
+    """
+    if not has_chat_template(tokenizer):
+        raise no_template(tokenizer, "a chat")
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def problem_messages(problem: dict[str, Any]) -> list[Message]:
+    """A problem's chat: `"messages"`, a conversational `"prompt"` (TRL's `{"prompt": [{"role",
+    "content"}, ...]}`), or a `"prompt"` string as a single user message."""
+    if problem.get("messages"):
+        return list(problem["messages"])
+    prompt = problem.get("prompt")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if _is_chat(prompt):
+        return list(prompt)
+    raise ValueError(
+        "a problem needs 'messages' (a chat) or 'prompt' (a string, or a chat: a list of "
+        "{role, content})"
+    )
+
+
+def plain_prompt(problem: dict[str, Any]) -> str | None:
+    """A problem's prompt as plain text, for a tokenizer without a chat template: a `"prompt"`
+    string, or a `"messages"` chat of one user message (how the built-in tasks write a plain
+    prompt); None for any other chat, a conversational `"prompt"` row included (TRL refuses
+    those without a template too)."""
+    messages = problem.get("messages")
+    if messages:
+        only = messages[0] if len(messages) == 1 else {}
+        return only.get("content") if only.get("role") == "user" else None
+    prompt = problem.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
+def tokenize_prompt(tokenizer: Any, problem: dict[str, Any]) -> list[int]:
+    """The prompt ids the engine receives: the chat template with the generation prompt, or,
+    without a template, the plain prompt tokenised as it is (TRL's standard format)."""
+    messages = problem_messages(problem)
+    if has_chat_template(tokenizer):
+        return render_ids(tokenizer, messages, add_generation_prompt=True)
+    text = plain_prompt(problem)
+    if text is None:
+        raise no_template(tokenizer, "a conversational prompt (a chat)")
+    return list(tokenizer(text)["input_ids"])

@@ -1,0 +1,10 @@
+"""The rollout side: from a prompt batch to a `RolloutBatch`, and the weight push after it.
+
+Owns: the `RolloutCallback` (`callback.py`), which starts the engine, generates, dispatches and
+pushes; generation on one or several ranks and ahead of the trainer (`generation.py`,
+`ahead.py`); the episode loop (`episodes.py`); scoring, hints and the four-way dispatch
+(`dispatch.py`) and packing samples into a batch (`packing.py`); held-out evaluation
+(`validation.py`).
+May import: every room below `datamodules` in `composer_lightning.LAYERS`, `training` included
+(the canary's recompute of a stale batch).
+"""

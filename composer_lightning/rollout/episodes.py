@@ -1,0 +1,400 @@
+"""The episode loop: an agent's turns through the engine, on token ids.
+
+An episode is one or more assistant turns. Turn 1 of every episode of a problem is generated
+from the problem's opening context (`n = G` samples, as a single-turn rollout is); each later
+turn from the episode's own token ids. After a turn the environment answers with an
+`Observation`, and its messages are appended as the chat template's *token delta*:
+
+    delta = render(chat + [assistant] + observation, generation prompt)[len(render(chat + [assistant])):]
+
+so earlier turns are never re-tokenised: the engine's own ids of every assistant turn stay as
+they were sampled (they are what the log-probs are of). The template must be prefix-stable for
+this (rendering a chat gives a token prefix of rendering it with more messages): one that is
+not (one that rewrites earlier turns, e.g. drops the reasoning of past assistant turns) is a
+`ValueError` naming the turn, never a silent misalignment. The concatenation equals the
+template of the whole conversation whenever the engine's ids of each assistant turn are the
+tokenisation of their text; when they are not (a sampled id sequence the tokenizer would spell
+differently), the episode keeps the engine's ids and counts the difference
+(`episode/retokenized_differently`).
+
+Limits: `max_turns` assistant turns (then the episode ends, `status="max_turns"`); a token
+budget per episode and the engine's context length (a turn gets at most what is left; an
+episode with nothing left, or whose turn hit `max_tokens`, ends `status="truncated"`). An
+environment that raises, times out (`env_timeout` per call) or returns something that is not an
+`Observation` of chat messages fails its episode (`status="failed"`, one warning line each);
+the other episodes go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from composer_lightning.engines.base import Completion, SamplingConfig
+from composer_lightning.envs.base import Environment, Message, Observation, SingleTurn
+from composer_lightning.runtime.calls import CallTimeout, call_with_timeout
+
+log = logging.getLogger(__name__)
+
+Generate = Callable[[list[list[int]], int, SamplingConfig], list[list[Completion]]]
+
+
+@dataclass
+class Turn:
+    """One assistant turn of an episode.
+
+    Attributes:
+        context: the chat before the turn (what the model saw, as messages).
+        context_ids: the token ids before the turn (generation prompt included).
+        completion: the engine's completion (ids, log-probs, finish reason).
+        text: the decoded turn.
+        next_state: the environment's answer to it (None: the turn ended the episode without
+            one, or the episode failed at it).
+    """
+
+    context: list[Message]
+    context_ids: list[int]
+    completion: Completion
+    text: str
+    next_state: Observation | None = None
+
+    @property
+    def has_next_state(self) -> bool:
+        """Whether messages followed the turn (a tool result or error, a user's reply)."""
+        return self.next_state is not None and bool(self.next_state.messages)
+
+
+@dataclass
+class Episode:
+    """One episode: its problem, turns, whole chat, outcome and how it ended.
+
+    Attributes:
+        problem: the problem it was drawn on.
+        turns: the assistant turns, in order.
+        messages: the whole chat (opening, assistant turns, observations).
+        tools: the tool specs the model was shown (None: none).
+        reward: the environment's outcome reward (None: the run's score provider decides).
+        status: "done" (the environment ended it), "max_turns", "truncated" (token budget or
+            context exhausted, or a turn cut at `max_tokens`) or "failed".
+        error: why it failed, or None.
+        retokenized_differently: the episode's ids differ from the template of its chat.
+    """
+
+    problem: dict[str, Any]
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    reward: float | None = None
+    status: str = "running"
+    error: str | None = None
+    retokenized_differently: bool = False
+    env: Any = field(default=None, repr=False)
+    ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.status == "running"
+
+    def fail(self, why: str) -> None:
+        self.status, self.error = "failed", why
+        log.warning("episode on %s failed: %s", _problem_label(self.problem), why)
+
+
+def _problem_label(problem: dict[str, Any]) -> str:
+    text = str(problem.get("prompt") or (problem.get("messages") or [{}])[-1].get("content", ""))
+    return repr(text[:60])
+
+
+def render(
+    tokenizer: Any,
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+) -> list[int]:
+    """Token ids of `messages` (and `tools`) under the chat template, no extra special tokens."""
+    from composer_lightning.chat import render_ids
+
+    return render_ids(tokenizer, messages, add_generation_prompt, tools=tools)
+
+
+def template_delta(
+    tokenizer: Any,
+    chat: list[Message],
+    new: list[Message],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The ids that `new` messages add after `chat` (then the generation prompt).
+
+    Raises:
+        ValueError: the template is not prefix-stable there (it re-renders `chat` differently
+            once `new` follows), so the delta does not exist.
+    """
+    before = render(tokenizer, chat, tools, False)
+    after = render(tokenizer, [*chat, *new], tools, add_generation_prompt)
+    if after[: len(before)] != before:
+        raise ValueError(
+            f"the chat template is not prefix-stable: appending {[m['role'] for m in new]} "
+            f"after message {len(chat) - 1} re-renders the earlier chat, so turns cannot be "
+            "appended as token ids; use a template that renders each message independently"
+        )
+    return after[len(before) :]
+
+
+def _observation(value: Any) -> Observation:
+    """An environment's step result, checked: an Observation whose messages are chat messages."""
+    if not isinstance(value, Observation):
+        raise TypeError(f"step returned {type(value).__name__}, expected an Observation")
+    for m in value.messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            raise TypeError(
+                f"step returned a malformed message {m!r:.80}, expected {{role, content}}"
+            )
+    if value.reward is not None and not isinstance(value.reward, (int, float)):
+        raise TypeError(f"step returned reward {value.reward!r}, expected a number or None")
+    return value
+
+
+def _opening(value: Any) -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise TypeError(f"reset returned {type(value).__name__}, expected a non-empty chat")
+    for m in value:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            raise TypeError(
+                f"reset returned a malformed message {m!r:.80}, expected {{role, content}}"
+            )
+    return list(value)
+
+
+def run_episodes(
+    generate: Generate,
+    problems: list[dict[str, Any]],
+    prompt_ids: list[list[int]],
+    environment: Callable[[dict[str, Any]], Environment],
+    tokenizer: Any,
+    sampling: SamplingConfig,
+    group_size: int,
+    max_turns: int = 1,
+    max_episode_tokens: int | None = None,
+    context_length: int | None = None,
+    env_timeout: float | None = 30.0,
+) -> list[list[Episode]]:
+    """`group_size` episodes of each problem, turn by turn (see the module docstring).
+
+    Args:
+        generate: `(prompts, n, sampling) -> completions` through the run's engine.
+        problems: the batch's problems.
+        prompt_ids: each problem's opening ids as the data module tokenised them; used for a
+            single-turn environment (so a single-turn task samples exactly as before), while a
+            multi-turn environment's opening is rendered from its `reset` chat and tools.
+        environment: a fresh environment per episode (`Task.environment`).
+        sampling: the turn's sampling settings; its `seed` is that of the whole call: turn k
+            samples with `seed + k * len(problems) * group_size` (the caller reserves
+            `max_turns` such ranges).
+        max_turns: assistant turns per episode at most.
+        max_episode_tokens: tokens of the whole episode (prompt included) at most; None: no
+            budget beyond the engine's context.
+        context_length: the engine's context (a turn never exceeds it); None: unknown.
+        env_timeout: seconds per environment call (None: no limit).
+
+    Returns:
+        `result[i]`: the episodes of `problems[i]`.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    G = group_size
+    episodes = [[Episode(problem=p) for _ in range(G)] for p in problems]
+    openings: list[list[int] | None] = []
+    for i, (problem, group) in enumerate(zip(problems, episodes, strict=True)):
+        first: list[int] | None = None
+        for ep in group:
+            try:
+                ep.env = environment(problem)
+                limit = None if isinstance(ep.env, SingleTurn) else env_timeout
+                ep.messages = _opening(call_with_timeout(ep.env.reset, (problem,), limit))
+                ep.tools = getattr(ep.env, "tools", None)
+                if isinstance(ep.env, SingleTurn):
+                    ep.ids = list(prompt_ids[i])
+                else:
+                    ep.ids = render(tokenizer, ep.messages, ep.tools, True)
+            except CallTimeout:
+                ep.fail(f"reset timed out after {env_timeout:g} s")
+                continue
+            except Exception as exc:  # a broken environment fails its episode
+                ep.fail(f"reset raised {type(exc).__name__}: {exc}")
+                continue
+            if first is None:
+                first = ep.ids
+            elif ep.ids != first:
+                ep.fail("reset gave another opening than the group's first episode")
+        openings.append(first)
+    stride = len(problems) * G
+    for turn in range(max_turns):
+        seed = None if sampling.seed is None else sampling.seed + turn * stride
+        if turn == 0:  # G samples of each problem's opening: a single-turn rollout's call
+            asked = [(i, None) for i, ids in enumerate(openings) if ids is not None]
+            alive = [[ep for ep in episodes[i] if ep.alive] for i, _ in asked]
+            budget = min(
+                (
+                    _budget(ep, sampling, max_episode_tokens, context_length)
+                    for g in alive
+                    for ep in g
+                ),
+                default=0,
+            )
+            if not asked:
+                break
+            outs = generate(
+                [openings[i] for i, _ in asked],
+                G,
+                replace(sampling, seed=seed, max_tokens=max(budget, 1)),
+            )
+            results = []
+            for (i, _), group in zip(asked, outs, strict=True):
+                for ep, c in zip(episodes[i], group, strict=True):
+                    if ep.alive:
+                        results.append((ep, c))
+            if budget < 1:
+                for ep, _ in results:
+                    ep.status = "truncated"
+                break
+        else:
+            running = [ep for group in episodes for ep in group if ep.alive]
+            if not running:
+                break
+            results = []
+            offset = 0
+            by_budget: dict[int, list[Episode]] = {}
+            for ep in running:
+                left = _budget(ep, sampling, max_episode_tokens, context_length)
+                if left < 1:
+                    ep.status = "truncated"
+                    continue
+                by_budget.setdefault(left, []).append(ep)
+            for left, eps in sorted(by_budget.items()):
+                call_seed = None if seed is None else seed + offset
+                offset += len(eps)
+                outs = generate(
+                    [ep.ids for ep in eps], 1, replace(sampling, seed=call_seed, max_tokens=left)
+                )
+                results.extend((ep, group[0]) for ep, group in zip(eps, outs, strict=True))
+        for ep, c in results:
+            _advance(ep, c, tokenizer, env_timeout, last=turn == max_turns - 1)
+    for group in episodes:
+        for ep in group:
+            ep.env = None  # environments are per episode: nothing of them outlives it
+    return episodes
+
+
+def _budget(
+    ep: Episode, sampling: SamplingConfig, max_episode_tokens: int | None, context: int | None
+) -> int:
+    left = sampling.max_tokens
+    for limit in (max_episode_tokens, context):
+        if limit is not None:
+            left = min(left, limit - len(ep.ids))
+    return left
+
+
+def _advance(ep: Episode, c: Completion, tokenizer: Any, timeout: float | None, last: bool) -> None:
+    """Record turn `c` of `ep`, ask the environment for the next state, append its delta."""
+    text = c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    turn = Turn(list(ep.messages), list(ep.ids), c, text)
+    ep.turns.append(turn)
+    assistant = {"role": "assistant", "content": text}
+    ep.messages.append(assistant)
+    ep.ids = ep.ids + list(c.token_ids)
+    if c.finish_reason == "length":  # cut mid-turn: nothing an environment could answer
+        ep.status = "truncated"
+        return
+    if isinstance(ep.env, SingleTurn):
+        timeout = None  # nothing to wait for
+    try:
+        obs = _observation(call_with_timeout(ep.env.step, (assistant,), timeout))
+    except CallTimeout:
+        ep.fail(f"step timed out after {timeout:g} s")
+        return
+    except Exception as exc:
+        ep.fail(f"step raised {type(exc).__name__}: {exc}")
+        return
+    turn.next_state = obs
+    if obs.done or last:
+        ep.reward = None if obs.reward is None else float(obs.reward)
+        ep.status = "done" if obs.done else "max_turns"
+        if obs.messages and not obs.done:
+            ep.messages.extend(obs.messages)
+        return
+    if not obs.messages:
+        ep.fail("step returned no messages and did not end the episode")
+        return
+    delta = template_delta(tokenizer, ep.messages, obs.messages, ep.tools)  # or a ValueError
+    ep.messages.extend(obs.messages)
+    ep.ids = ep.ids + _tail(tokenizer, ep, turn) + delta
+    if not isinstance(ep.env, SingleTurn):
+        whole = render(tokenizer, ep.messages, ep.tools, True)
+        ep.retokenized_differently |= whole != ep.ids
+
+
+def _tail(tokenizer: Any, ep: Episode, turn: Turn) -> list[int]:
+    """What the template puts after an assistant turn's stop token (e.g. a newline after
+    `<|im_end|>`), which the engine stopped before generating."""
+    rendered = render(tokenizer, ep.messages, ep.tools, False)
+    ids = turn.completion.token_ids
+    if not ids:
+        return []
+    stop = ids[-1]
+    where = (
+        len(rendered) - 1 - rendered[::-1].index(stop) if stop in rendered else len(rendered) - 1
+    )
+    return rendered[where + 1 :]
+
+
+def one_turn_episodes(
+    problems: list[dict[str, Any]],
+    prompt_ids: list[list[int]],
+    outs: list[list[Completion]],
+    tokenizer: Any,
+) -> list[list[Episode]]:
+    """Single-turn episodes of completions already sampled (`outs[i]`: those of problem i), as
+    `run_episodes` makes them with `SingleTurn` environments."""
+    from composer_lightning.chat import problem_messages
+
+    episodes = []
+    for problem, ids, group in zip(problems, prompt_ids, outs, strict=True):
+        row = []
+        for c in group:
+            text = (
+                c.text
+                if c.text is not None
+                else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            )
+            context = problem_messages(problem)
+            turn = Turn(context, list(ids), c, text, Observation(done=True))
+            status = "truncated" if c.finish_reason == "length" else "done"
+            messages = [*context, {"role": "assistant", "content": text}]
+            row.append(
+                Episode(problem, [turn], messages, status=status, ids=list(ids) + list(c.token_ids))
+            )
+        episodes.append(row)
+    return episodes
+
+
+def task_environments(default: Any = None) -> Callable[[dict[str, Any]], Environment]:
+    """Per episode a fresh environment from the problem's task (`Task.environment`): its
+    `"task"` field names it, else `default` (the data's task); neither: a single turn."""
+    from composer_lightning.tasks import get_task
+
+    tasks: dict[str, Any] = {}
+
+    def environment(problem: dict[str, Any]) -> Environment:
+        name = problem.get("task")
+        task = default
+        if isinstance(name, str) and getattr(default, "name", None) != name:
+            if name not in tasks:
+                tasks[name] = get_task(name)
+            task = tasks[name]
+        return task.environment(problem) if task is not None else SingleTurn()
+
+    return environment

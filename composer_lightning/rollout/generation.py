@@ -1,0 +1,95 @@
+"""How the rollout callback calls its engine: sampling seeds, tensor-parallel groups, and
+generation ahead of the trainer through a `BackgroundEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from composer_lightning.engines.background import BackgroundEngine
+from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
+from composer_lightning.engines.fingerprint import Fingerprint
+from composer_lightning.runtime.distributed import world
+
+
+def sampling_seed(
+    base: int,
+    step: int,
+    rank: int,
+    world_size: int,
+    tensor_parallel_size: int,
+    prompts: int,
+    group_size: int,
+) -> int:
+    """The seed of one generate call: never repeated across steps or ranks.
+
+    Engines seed prompt i, sample j of a call with `seed + i * G + j`, so a call uses the seeds
+    `[seed, seed + prompts * G)`; the call of tensor-parallel group c at step s starts at
+    `base + (s * groups + c) * prompts * G`, so no two calls' ranges overlap, and the ranks of
+    one group (which must sample identically) share it.
+    """
+    groups = world_size // tensor_parallel_size
+    return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
+
+
+def generate_in_group(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    n: int,
+    sampling: SamplingConfig,
+    tp_group: Any = None,
+) -> list[list[Completion]]:
+    """This rank's completions of `prompts`; with tensor parallelism the ranks of a group
+    generate their gathered prompts together (as TRL's colocate mode does; vLLM needs the same
+    requests on every rank of a group) and each keeps its own. The group samples with the
+    seed of its first rank."""
+    tp = engine.tensor_parallel_size
+    if tp == 1:
+        return engine.generate(prompts, n=n, sampling=sampling)
+    import torch.distributed as dist
+
+    parts: list[tuple[list[list[int]], int | None]] = [None] * tp  # type: ignore[list-item]
+    dist.all_gather_object(parts, (prompts, sampling.seed), group=tp_group)
+    offset = sum(len(p) for p, _ in parts[: world()[0] % tp])
+    everything = [p for part, _ in parts for p in part]
+    outs = engine.generate(everything, n=n, sampling=replace(sampling, seed=parts[0][1]))
+    return outs[offset : offset + len(prompts)]
+
+
+def generate_on_rank(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    step: int,
+    base_seed: int,
+    group_size: int,
+    tp_group: Any = None,
+) -> list[list[Completion]]:
+    """This rank's completions of prompt batch `step` (`generate_in_group`), seeded by
+    `sampling_seed`."""
+    rank, size = world()
+    tp = engine.tensor_parallel_size
+    total = len(prompts) * tp  # every rank of a group holds as many prompts
+    seed = sampling_seed(base_seed, step, rank, size, tp, total, group_size)
+    return generate_in_group(engine, prompts, group_size, replace(sampling, seed=seed), tp_group)
+
+
+def generate_ahead(
+    background: BackgroundEngine,
+    prompt_batch: Callable[[int], list[list[int]]],
+    step: int,
+    sampling: SamplingConfig,
+    base_seed: int,
+    group_size: int,
+) -> tuple[int, list[list[Completion]], float, Fingerprint | None]:
+    """Prompt batch `step` from this rank's background engine (its version, completions,
+    generation seconds and the engine's fingerprint of that version), after asking for
+    `step + 1 … step + k`. Seeds are those of the on-policy loop, so only the weights that
+    generate a batch differ."""
+    rank, size = world()
+    for index in range(step, step + background.k + 1):
+        prompts = prompt_batch(index)
+        seed = sampling_seed(base_seed, index, rank, size, 1, len(prompts), group_size)
+        background.ask(index, prompts, group_size, replace(sampling, seed=seed))
+    return background.take(step)
