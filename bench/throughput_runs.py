@@ -117,11 +117,13 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
     import torch
 
     import composer_lightning.engines.fingerprint as fingerprint_file
+    import composer_lightning.rollout.ahead as ahead_file
     import composer_lightning.rollout.callback as rollout_file
     import composer_lightning.training.module as module_file
     from composer_lightning.datamodules.rollout import RolloutDataModule
     from composer_lightning.engines import SamplingConfig, VLLMEngine
     from composer_lightning.heads.dr_grpo import DrGRPOHead
+    from composer_lightning.rollout.ahead import GenerationAhead
     from composer_lightning.rollout.callback import RolloutCallback
     from composer_lightning.training.module import ComposerModule
 
@@ -129,14 +131,14 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
     timers = Timers()
     for file, name, label in [
         (module_file, "log_step", "logging"),
-        (rollout_file, "generate_ahead", "wait"),
-        (rollout_file, "generate_on_rank", "generate"),
+        (ahead_file, "generate_ahead", "wait"),
+        (rollout_file, "generate_in_group", "generate"),
         (rollout_file, "build_rollout", "score"),
         (fingerprint_file, "tensor_fingerprint", "fingerprint"),
     ]:
         setattr(file, name, timers.wrap(label, getattr(file, name)))
     for cls, name, label in [
-        (RolloutCallback, "_recompute_stale", "canary"),
+        (GenerationAhead, "behavior_logprobs", "canary"),
         (RolloutCallback, "_push", "push"),
         (ComposerModule, "training_step", "update"),
     ]:

@@ -7,8 +7,9 @@ from composer_lightning.chat import tokenize_prompt
 from composer_lightning.engines.base import Completion
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.rollout.dispatch import build_rollout as _build
-from composer_lightning.rollout.dispatch import dispatch, provider_values
+from composer_lightning.rollout.dispatch import dispatch
 from composer_lightning.rollout.episodes import one_turn_episodes
+from composer_lightning.rollout.providers import provider_values
 from composer_lightning.tasks import HintProvider, ScoreProvider, VerifierScore
 
 

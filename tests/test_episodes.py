@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from composer_lightning.chat import render_ids, single_turn_teacher
+from composer_lightning.chat import render_ids, single_turn_teacher, template_delta
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.envs import Observation, SingleTurn
 from composer_lightning.functional import episode_advantages, grpo_advantages
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.rollout.dispatch import build_rollout
-from composer_lightning.rollout.episodes import run_episodes, template_delta
+from composer_lightning.rollout.episodes import run_episodes
 from composer_lightning.tasks import ScoringError, ToolErrorHint, VerifierScore
 
 TOK = AutoTokenizer.from_pretrained(tiny_policy_path())

@@ -21,6 +21,7 @@ from composer_lightning.chat.templates import (
     plain_prompt,
     problem_messages,
     render_ids,
+    template_delta,
     tokenize_prompt,
 )
 
@@ -37,5 +38,6 @@ __all__ = [
     "problem_messages",
     "render_ids",
     "single_turn_teacher",
+    "template_delta",
     "tokenize_prompt",
 ]

@@ -51,6 +51,30 @@ def render_ids(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def template_delta(
+    tokenizer: Any,
+    chat: list[Message],
+    new: list[Message],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The ids that `new` messages add after `chat` (then the generation prompt).
+
+    Raises:
+        ValueError: the template is not prefix-stable there (it re-renders `chat` differently
+            once `new` follows), so the delta does not exist.
+    """
+    before = render_ids(tokenizer, chat, False, tools=tools)
+    after = render_ids(tokenizer, [*chat, *new], add_generation_prompt, tools=tools)
+    if after[: len(before)] != before:
+        raise ValueError(
+            f"the chat template is not prefix-stable: appending {[m['role'] for m in new]} "
+            f"after message {len(chat) - 1} re-renders the earlier chat, so turns cannot be "
+            "appended as token ids; use a template that renders each message independently"
+        )
+    return after[len(before) :]
+
+
 def _is_chat(value: Any) -> bool:
     return (
         isinstance(value, list)

@@ -80,3 +80,30 @@ class SingleTurn:
 
     def step(self, message: Message) -> Observation:
         return Observation(done=True)
+
+
+def _messages(messages: Any, call: str) -> list[Message]:
+    """`messages` checked as chat messages, each `{role, content}` (what `call` returned)."""
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            raise TypeError(
+                f"{call} returned a malformed message {m!r:.80}, expected {{role, content}}"
+            )
+    return list(messages)
+
+
+def checked_observation(value: Any) -> Observation:
+    """An environment's step result, checked: an Observation whose messages are chat messages."""
+    if not isinstance(value, Observation):
+        raise TypeError(f"step returned {type(value).__name__}, expected an Observation")
+    _messages(value.messages, "step")
+    if value.reward is not None and not isinstance(value.reward, (int, float)):
+        raise TypeError(f"step returned reward {value.reward!r}, expected a number or None")
+    return value
+
+
+def checked_opening(value: Any) -> list[Message]:
+    """An environment's `reset` result, checked: a non-empty chat."""
+    if not isinstance(value, list) or not value:
+        raise TypeError(f"reset returned {type(value).__name__}, expected a non-empty chat")
+    return _messages(value, "reset")

@@ -52,7 +52,7 @@ class TopKTargets(NamedTuple):
 @dataclass(frozen=True)
 class RolloutTargets:
     """No-grad values of one rollout batch, shared by all its updates (`[B, ...]` rows); built
-    whole (`forward.rollout_targets`), never completed by mutation.
+    whole (`targets.rollout_targets`), never completed by mutation.
 
     Attributes:
         old_logprobs: `[B, T]` log-probs of the policy before the first update, or None (with a

@@ -4,16 +4,13 @@ The dispatch is a pure decision per sample (DESIGN.md): a usable score gives `ha
 accepted hint `has_teacher`; a sample with neither is dropped. Counts of each path are logged
 as `dispatch/...`.
 
-Score and hint providers fail per sample, alike: a provider call that raises as a whole, or
-returns a value that is not a score (a finite number or None) or a hint (a string or None), is
-a failure of the samples concerned — one warning line each, counted in
-`rollout/score_failures` / `rollout/hint_failures`, one summary line per step — never a crashed
-batch (unless every score failed: `ScoringError`).
+Score and hint providers fail per sample (`providers.py`), counted in
+`rollout/score_failures` / `rollout/hint_failures` with one summary line per step — never a
+crashed batch (unless every score failed: `ScoringError`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -24,7 +21,8 @@ from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.episodes import Episode, Turn
 from composer_lightning.rollout.packing import pack_samples
-from composer_lightning.runtime.calls import BadValue, as_hint, as_reward, hint_candidates
+from composer_lightning.rollout.providers import provider_values
+from composer_lightning.runtime.calls import hint_candidates
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
 
@@ -43,81 +41,6 @@ def dispatch(has_reward: list[bool], has_teacher: list[bool]) -> tuple[list[int]
         "dispatch/dropped": float(len(both) - len(keep)),
     }
     return keep, counts
-
-
-def provider_values(
-    provider: ScoreProvider | HintProvider,
-    kind: str,
-    problems: list[dict[str, Any]],
-    completions: list[str],
-    completion_ids: list[list[int]] | None = None,
-) -> tuple[list[Any], int]:
-    """A provider's scores (`kind="score"`) or hints (`kind="hint"`) of one batch, checked.
-
-    `completion_ids` go to a provider whose method takes a `completion_ids` argument
-    (`FunctionScore`, for TRL-style reward functions); others get problems and texts only.
-
-    Returns:
-        One value per sample (None where it failed), and the number of failed samples: those
-        the provider counted in its `failures` (reset here), plus every sample of a call that
-        raised or returned the wrong number of values, plus each value of the wrong type.
-    """
-    n, name = len(problems), type(provider).__name__
-    call = provider.score if kind == "score" else provider.hints
-    extra = {"completion_ids": completion_ids} if _takes(call, "completion_ids") else {}
-    try:
-        values = list(call(problems, completions, **extra))
-    except Exception as exc:  # a broken provider fails its samples, not the run
-        log.warning(
-            "%s provider %s raised on the whole batch (no sample gets a %s): %s: %s",
-            kind,
-            name,
-            kind,
-            type(exc).__name__,
-            exc,
-        )
-        values = [None] * n
-        failed = n
-    else:
-        failed = 0
-        if len(values) != n:
-            log.warning(
-                "%s provider %s returned %d values for %d samples (no sample gets a %s)",
-                kind,
-                name,
-                len(values),
-                n,
-                kind,
-            )
-            values, failed = [None] * n, n
-    failed = max(failed, min(n, int(getattr(provider, "failures", 0) or 0)))
-    if getattr(provider, "failures", 0):
-        provider.failures = 0
-    convert = as_reward if kind == "score" else as_hint
-    out = []
-    for i, value in enumerate(values):
-        try:
-            out.append(None if value is None else convert(value))
-        except BadValue as exc:
-            failed += 1
-            log.warning(
-                "%s provider %s returned %s on sample %d, expected %s (it gets no %s)",
-                kind,
-                name,
-                exc.got,
-                i,
-                exc.expected,
-                kind,
-            )
-            out.append(None)
-    return out, min(failed, n)
-
-
-def _takes(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def rollout_sample(

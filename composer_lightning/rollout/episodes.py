@@ -32,8 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from composer_lightning.chat import render_ids, template_delta
 from composer_lightning.engines.base import Completion, SamplingConfig
-from composer_lightning.envs.base import Environment, Message, Observation, SingleTurn
+from composer_lightning.envs.base import (
+    Environment,
+    Message,
+    Observation,
+    SingleTurn,
+    checked_observation,
+    checked_opening,
+)
 from composer_lightning.runtime.calls import CallTimeout, call_with_timeout
 
 log = logging.getLogger(__name__)
@@ -107,67 +115,6 @@ def _problem_label(problem: dict[str, Any]) -> str:
     return repr(text[:60])
 
 
-def render(
-    tokenizer: Any,
-    messages: list[Message],
-    tools: list[dict[str, Any]] | None,
-    add_generation_prompt: bool,
-) -> list[int]:
-    """Token ids of `messages` (and `tools`) under the chat template, no extra special tokens."""
-    from composer_lightning.chat import render_ids
-
-    return render_ids(tokenizer, messages, add_generation_prompt, tools=tools)
-
-
-def template_delta(
-    tokenizer: Any,
-    chat: list[Message],
-    new: list[Message],
-    tools: list[dict[str, Any]] | None,
-    add_generation_prompt: bool = True,
-) -> list[int]:
-    """The ids that `new` messages add after `chat` (then the generation prompt).
-
-    Raises:
-        ValueError: the template is not prefix-stable there (it re-renders `chat` differently
-            once `new` follows), so the delta does not exist.
-    """
-    before = render(tokenizer, chat, tools, False)
-    after = render(tokenizer, [*chat, *new], tools, add_generation_prompt)
-    if after[: len(before)] != before:
-        raise ValueError(
-            f"the chat template is not prefix-stable: appending {[m['role'] for m in new]} "
-            f"after message {len(chat) - 1} re-renders the earlier chat, so turns cannot be "
-            "appended as token ids; use a template that renders each message independently"
-        )
-    return after[len(before) :]
-
-
-def _observation(value: Any) -> Observation:
-    """An environment's step result, checked: an Observation whose messages are chat messages."""
-    if not isinstance(value, Observation):
-        raise TypeError(f"step returned {type(value).__name__}, expected an Observation")
-    for m in value.messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
-            raise TypeError(
-                f"step returned a malformed message {m!r:.80}, expected {{role, content}}"
-            )
-    if value.reward is not None and not isinstance(value.reward, (int, float)):
-        raise TypeError(f"step returned reward {value.reward!r}, expected a number or None")
-    return value
-
-
-def _opening(value: Any) -> list[Message]:
-    if not isinstance(value, list) or not value:
-        raise TypeError(f"reset returned {type(value).__name__}, expected a non-empty chat")
-    for m in value:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
-            raise TypeError(
-                f"reset returned a malformed message {m!r:.80}, expected {{role, content}}"
-            )
-    return list(value)
-
-
 def run_episodes(
     generate: Generate,
     problems: list[dict[str, Any]],
@@ -213,12 +160,12 @@ def run_episodes(
             try:
                 ep.env = environment(problem)
                 limit = None if isinstance(ep.env, SingleTurn) else env_timeout
-                ep.messages = _opening(call_with_timeout(ep.env.reset, (problem,), limit))
+                ep.messages = checked_opening(call_with_timeout(ep.env.reset, (problem,), limit))
                 ep.tools = getattr(ep.env, "tools", None)
                 if isinstance(ep.env, SingleTurn):
                     ep.ids = list(prompt_ids[i])
                 else:
-                    ep.ids = render(tokenizer, ep.messages, ep.tools, True)
+                    ep.ids = render_ids(tokenizer, ep.messages, True, tools=ep.tools)
             except CallTimeout:
                 ep.fail(f"reset timed out after {env_timeout:g} s")
                 continue
@@ -312,7 +259,7 @@ def _advance(ep: Episode, c: Completion, tokenizer: Any, timeout: float | None, 
     if isinstance(ep.env, SingleTurn):
         timeout = None  # nothing to wait for
     try:
-        obs = _observation(call_with_timeout(ep.env.step, (assistant,), timeout))
+        obs = checked_observation(call_with_timeout(ep.env.step, (assistant,), timeout))
     except CallTimeout:
         ep.fail(f"step timed out after {timeout:g} s")
         return
@@ -333,14 +280,14 @@ def _advance(ep: Episode, c: Completion, tokenizer: Any, timeout: float | None, 
     ep.messages.extend(obs.messages)
     ep.ids = ep.ids + _tail(tokenizer, ep, turn) + delta
     if not isinstance(ep.env, SingleTurn):
-        whole = render(tokenizer, ep.messages, ep.tools, True)
+        whole = render_ids(tokenizer, ep.messages, True, tools=ep.tools)
         ep.retokenized_differently |= whole != ep.ids
 
 
 def _tail(tokenizer: Any, ep: Episode, turn: Turn) -> list[int]:
     """What the template puts after an assistant turn's stop token (e.g. a newline after
     `<|im_end|>`), which the engine stopped before generating."""
-    rendered = render(tokenizer, ep.messages, ep.tools, False)
+    rendered = render_ids(tokenizer, ep.messages, False, tools=ep.tools)
     ids = turn.completion.token_ids
     if not ids:
         return []
@@ -398,3 +345,39 @@ def task_environments(default: Any = None) -> Callable[[dict[str, Any]], Environ
         return task.environment(problem) if task is not None else SingleTurn()
 
     return environment
+
+
+@dataclass
+class EpisodeSettings:
+    """The rollout callback's episode limits (see `run_episodes`), and the engine's context
+    length once setup knows it."""
+
+    max_turns: int = 1
+    max_episode_tokens: int | None = None
+    env_timeout: float | None = 30.0
+    context_length: int | None = None
+
+    def run(
+        self,
+        generate: Generate,
+        dm: Any,
+        problems: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+    ) -> list[list[Episode]]:
+        """`n` episodes of each of `dm`'s problems through `generate` (`run_episodes`), each in
+        the environment of its task (`task_environments`, the data's task by default)."""
+        return run_episodes(
+            generate,
+            problems,
+            prompt_ids,
+            task_environments(getattr(dm, "task", None)),
+            dm.tokenizer,
+            sampling,
+            n,
+            self.max_turns,
+            self.max_episode_tokens,
+            self.context_length,
+            self.env_timeout,
+        )

@@ -1,15 +1,12 @@
-"""How the rollout callback calls its engine: sampling seeds, tensor-parallel groups, and
-generation ahead of the trainer through a `BackgroundEngine`."""
+"""How the rollout callback calls its engine: sampling seeds and tensor-parallel groups
+(generation ahead of the trainer is `ahead.py`'s)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from composer_lightning.engines.background import BackgroundEngine
 from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
-from composer_lightning.engines.fingerprint import Fingerprint
 from composer_lightning.runtime.distributed import world
 
 
@@ -75,21 +72,23 @@ def generate_on_rank(
     return generate_in_group(engine, prompts, group_size, replace(sampling, seed=seed), tp_group)
 
 
-def generate_ahead(
-    background: BackgroundEngine,
-    prompt_batch: Callable[[int], list[list[int]]],
-    step: int,
-    sampling: SamplingConfig,
-    base_seed: int,
-    group_size: int,
-) -> tuple[int, list[list[Completion]], float, Fingerprint | None]:
-    """Prompt batch `step` from this rank's background engine (its version, completions,
-    generation seconds and the engine's fingerprint of that version), after asking for
-    `step + 1 … step + k`. Seeds are those of the on-policy loop, so only the weights that
-    generate a batch differ."""
+def tensor_parallel_group(world_size: int, rank: int, tp: int) -> Any:
+    """This rank's group of `tp` consecutive ranks (every rank takes part in forming every
+    group, as `new_group` requires); None without tensor parallelism."""
+    if tp == 1:
+        return None
+    import torch.distributed as dist
+
+    mine = None
+    for first in range(0, world_size, tp):
+        group = dist.new_group(list(range(first, first + tp)))
+        if first <= rank < first + tp:
+            mine = group
+    return mine
+
+
+def heldout_seed(base_seed: int, batch_idx: int, prompts: int, tp: int, samples: int) -> int:
+    """The seed of held-out batch `batch_idx` (`prompts` on this rank): the training seeds'
+    scheme, shifted, so that any tensor parallelism samples alike."""
     rank, size = world()
-    for index in range(step, step + background.k + 1):
-        prompts = prompt_batch(index)
-        seed = sampling_seed(base_seed, index, rank, size, 1, len(prompts), group_size)
-        background.ask(index, prompts, group_size, replace(sampling, seed=seed))
-    return background.take(step)
+    return sampling_seed(base_seed + 10**9, batch_idx, rank, size, tp, prompts * tp, samples)

@@ -27,8 +27,8 @@ from typing import Any
 
 from composer_lightning.chat import problem_messages
 from composer_lightning.engines.base import Completion, SamplingConfig
-from composer_lightning.rollout.dispatch import provider_values
 from composer_lightning.rollout.episodes import Episode, one_turn_episodes
+from composer_lightning.rollout.providers import provider_values
 from composer_lightning.tasks.base import Problem, ScoreProvider
 
 

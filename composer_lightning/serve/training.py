@@ -39,8 +39,9 @@ from composer_lightning.engines.base import Completion, EngineContext, RolloutEn
 from composer_lightning.models.weights import iter_hf_weights
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.callback import RolloutCallback
-from composer_lightning.rollout.dispatch import dispatch, provider_values, rollout_sample
+from composer_lightning.rollout.dispatch import dispatch, rollout_sample
 from composer_lightning.rollout.packing import pack_samples
+from composer_lightning.rollout.providers import provider_values
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.tasks.base import HintProvider, ScoreProvider

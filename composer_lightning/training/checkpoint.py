@@ -1,4 +1,5 @@
-"""What a checkpoint holds beyond weights and optimizer, and the loop settings it resumes with.
+"""What a checkpoint holds beyond weights and optimizer, the loop settings it resumes with, and
+the module's checkpoint hooks (`CheckpointHooks`).
 
 Lightning saves the weights, the optimizer, the loops' progress and the data module's state;
 `ComposerModule` adds the policy version the engine is synced to, every head's state (schedules,
@@ -21,10 +22,19 @@ import warnings
 from typing import Any
 
 import torch
+from torch import nn
 
 from composer_lightning.heads.base import Head
-from composer_lightning.runtime.distributed import own, per_rank, world
+from composer_lightning.models.lora import adapter_config, is_lora
+from composer_lightning.models.stored import read_model_files, reading_checkpoint
+from composer_lightning.runtime.distributed import own, per_rank, rank_mismatch, world
 from composer_lightning.runtime.errors import ConfigError
+from composer_lightning.runtime.resume import (
+    Differences,
+    differences,
+    keep_frozen,
+    policy_mismatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +175,78 @@ def check_loop_settings(**settings: Any) -> None:
             continue
         if v is not None and (isinstance(v, str) or not v > 0):
             raise ValueError(f"{name} must be > 0 or None, got {v!r}")
+
+
+class CheckpointHooks:
+    """`ComposerModule`'s checkpoint hooks: what it adds to a checkpoint, what a resume may
+    change, and the state it restores (a mixin before `L.LightningModule`).
+
+    Reads the module's `policy`, `policy_path`, `policy_version`, `heads`, `hparams`,
+    `allow_head_changes`, `trainable_parameters()` and `_optimizer_and_scheduler()`; owns
+    `_policy_files`, `_restored_rng`, `_configured` and `_resumed_scheduler`.
+    """
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's `load_from_checkpoint`, from any working directory and machine: a policy
+        directory or hub id that no longer resolves is rebuilt from the config files the
+        checkpoint stored (`models/stored.py`); the weights are the checkpoint's."""
+        with reading_checkpoint(checkpoint_path):
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["composer"] = save_state(self.policy_version, self.heads)  # a collective
+        if self.policy_path is not None:  # config and tokenizer: `export` needs nothing else
+            if self._policy_files is None:
+                self._policy_files = read_model_files(self.policy_path)
+            checkpoint["composer"]["policy_files"] = self._policy_files
+        if is_lora(self.policy):  # `export` writes the adapter or the merged model from it
+            checkpoint["composer"]["peft_config"] = adapter_config(self.policy)
+
+    def resume_differences(self, checkpoint: dict[str, Any], world_size: int) -> Differences:
+        """How this module's configuration differs from the one `checkpoint` was trained with
+        on `world_size` ranks: the lines of what is honoured, the phrases of what is refused
+        (`resume.py`)."""
+        found = differences(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
+        for problem in (
+            policy_mismatch(checkpoint, self.policy),
+            rank_mismatch(checkpoint.get("composer", {}).get("ranks"), world_size),
+        ):
+            if problem:
+                found.refused.append(problem)
+        dropped, fresh = head_changes(checkpoint.get("composer", {}), self.heads)
+        if (dropped or fresh) and not self.allow_head_changes:
+            found.refused.append(head_change_message(dropped, fresh))
+        return found
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        found = self.resume_differences(checkpoint, world()[1])
+        found.raise_refused()
+        found.report()
+        keep_frozen(checkpoint)
+        state = checkpoint.get("composer", {})
+        self.policy_version, self._restored_rng = load_state(
+            state, self.heads, self.allow_head_changes
+        )
+        set_rng_state(self._restored_rng)
+        self._resumed_scheduler = bool(checkpoint.get("lr_schedulers"))
+
+    def on_train_start(self) -> None:
+        # Lightning restores a checkpoint before the strategy's setup and the train loader's
+        # iterator, which draw from the global RNGs: set them again, so that the first step
+        # after a resume draws what the uninterrupted run drew.
+        set_rng_state(self._restored_rng)
+        self._restored_rng = None
+        if self._resumed_scheduler is not None and self._configured is not None:
+            # the optimizer now holds the checkpoint's settings: the configured ones win
+            lines = self._configured.restore(
+                self.optimizers(use_pl_optimizer=False),
+                self.lr_schedulers(),
+                lambda: self._optimizer_and_scheduler(
+                    [nn.Parameter(torch.empty((0,) * p.ndim)) for p in self.trainable_parameters()]
+                ),
+                self.policy_version,
+                self._resumed_scheduler,
+            )
+            Differences(lines, []).report()
+            self._resumed_scheduler = None

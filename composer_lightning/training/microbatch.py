@@ -5,7 +5,7 @@ A minibatch (one optimizer step) is cut into micro-batches by a token budget (pa
 rows × the longest row, verl's dynamic batch size) and/or a sample count, the rows bucketed by
 length (longest first) so a micro-batch pads to its own longest row, and its columns are cut to
 it. Every forward of the step runs per micro-batch: the no-grad old, reference and teacher
-recomputes (`forward.rollout_targets`) and the policy's.
+recomputes (`targets.rollout_targets`) and the policy's.
 
 The policy's loss is not a sum over micro-batches in general (group baselines, the
 `token_sum_norm` normaliser, variance matching, token means), so the step runs in two passes:

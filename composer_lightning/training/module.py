@@ -4,6 +4,11 @@ Per rollout batch: the no-grad targets once (old and reference log-probs, ONE te
 on the hinted contexts), then `ppo_epochs × minibatches` optimizer steps, each with one policy
 forward (grad) and the public `Objective` (`objective.py`). The module never branches on head
 type: heads declare what they read in `requires`. No step holds `[B, T, V]` logits.
+Its checkpoint hooks are `checkpoint.CheckpointHooks`; the step's forwards, targets,
+micro-batches and objective each have a module of their own (`training/__init__.py`).
+
+Why this file is long: `ComposerModule` is the class a run configures as `model:`, and its
+thirty options are documented on it (≈ 85 lines, what `--help` shows).
 """
 
 from __future__ import annotations
@@ -30,20 +35,15 @@ from composer_lightning.models.loading import (
     load_policy,
     reference_model,
 )
-from composer_lightning.models.lora import adapter_config, is_lora, lora_policy
+from composer_lightning.models.lora import lora_policy
 from composer_lightning.models.sharding import data_parallel_mesh, shard_frozen, shard_fsdp2
-from composer_lightning.models.stored import read_model_files, reading_checkpoint
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import RolloutTargets, StepContext
-from composer_lightning.runtime.distributed import StepMetrics, agree, full, rank_mismatch, world
+from composer_lightning.runtime.distributed import StepMetrics, agree, full
 from composer_lightning.runtime.inputs import check_trainer_options
 from composer_lightning.runtime.resume import (
     ConfiguredOptimizer,
-    Differences,
-    differences,
-    keep_frozen,
     leave_frozen_out,
-    policy_mismatch,
 )
 from composer_lightning.training import accumulate
 from composer_lightning.training.canary import (
@@ -55,23 +55,20 @@ from composer_lightning.training.canary import (
 )
 from composer_lightning.training.checkpoint import (
     LOOP_SETTINGS,
+    CheckpointHooks,
     check_loop_settings,
-    head_change_message,
-    head_changes,
-    load_state,
-    save_state,
-    set_rng_state,
 )
-from composer_lightning.training.forward import Forwards, TokenScores, rollout_targets, step_context
+from composer_lightning.training.forward import Forwards, TokenScores, step_context
 from composer_lightning.training.microbatch import MicroBatching, Plan
 from composer_lightning.training.microbatch import plans as plan_micro_batches
 from composer_lightning.training.objective import Aggregation, Mixing, Objective
 from composer_lightning.training.steplog import log_step, log_validation
+from composer_lightning.training.targets import rollout_targets
 
 __all__ = ["ComposerModule", "OutOfSyncError"]
 
 
-class ComposerModule(L.LightningModule):
+class ComposerModule(CheckpointHooks, L.LightningModule):
     """RL post-training by composing loss heads (manual optimisation).
 
     Args:
@@ -424,69 +421,3 @@ class ComposerModule(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Held-out figures the rollout callback computed for this batch (`validation.py`)."""
         log_validation(self, batch["val"])
-
-    # ----------------------------------------------------------------- checkpoints
-    @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's `load_from_checkpoint`, from any working directory and machine: a policy
-        directory or hub id that no longer resolves is rebuilt from the config files the
-        checkpoint stored (`models/stored.py`); the weights are the checkpoint's."""
-        with reading_checkpoint(checkpoint_path):
-            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["composer"] = save_state(self.policy_version, self.heads)  # a collective
-        if self.policy_path is not None:  # config and tokenizer: `export` needs nothing else
-            if self._policy_files is None:
-                self._policy_files = read_model_files(self.policy_path)
-            checkpoint["composer"]["policy_files"] = self._policy_files
-        if is_lora(self.policy):  # `export` writes the adapter or the merged model from it
-            checkpoint["composer"]["peft_config"] = adapter_config(self.policy)
-
-    def resume_differences(self, checkpoint: dict[str, Any], world_size: int) -> Differences:
-        """How this module's configuration differs from the one `checkpoint` was trained with
-        on `world_size` ranks: the lines of what is honoured, the phrases of what is refused
-        (`resume.py`)."""
-        found = differences(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
-        for problem in (
-            policy_mismatch(checkpoint, self.policy),
-            rank_mismatch(checkpoint.get("composer", {}).get("ranks"), world_size),
-        ):
-            if problem:
-                found.refused.append(problem)
-        dropped, fresh = head_changes(checkpoint.get("composer", {}), self.heads)
-        if (dropped or fresh) and not self.allow_head_changes:
-            found.refused.append(head_change_message(dropped, fresh))
-        return found
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        found = self.resume_differences(checkpoint, world()[1])
-        found.raise_refused()
-        found.report()
-        keep_frozen(checkpoint)
-        state = checkpoint.get("composer", {})
-        self.policy_version, self._restored_rng = load_state(
-            state, self.heads, self.allow_head_changes
-        )
-        set_rng_state(self._restored_rng)
-        self._resumed_scheduler = bool(checkpoint.get("lr_schedulers"))
-
-    def on_train_start(self) -> None:
-        # Lightning restores a checkpoint before the strategy's setup and the train loader's
-        # iterator, which draw from the global RNGs: set them again, so that the first step
-        # after a resume draws what the uninterrupted run drew.
-        set_rng_state(self._restored_rng)
-        self._restored_rng = None
-        if self._resumed_scheduler is not None and self._configured is not None:
-            # the optimizer now holds the checkpoint's settings: the configured ones win
-            lines = self._configured.restore(
-                self.optimizers(use_pl_optimizer=False),
-                self.lr_schedulers(),
-                lambda: self._optimizer_and_scheduler(
-                    [nn.Parameter(torch.empty((0,) * p.ndim)) for p in self.trainable_parameters()]
-                ),
-                self.policy_version,
-                self._resumed_scheduler,
-            )
-            Differences(lines, []).report()
-            self._resumed_scheduler = None

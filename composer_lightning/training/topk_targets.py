@@ -1,7 +1,7 @@
 """The no-grad top-k values of a rollout batch for top-k OPD: one teacher forward per candidate.
 
 Computed once per rollout batch before its first update, like the other rollout targets
-(`forward.rollout_targets`): the policy as it sampled (π_old) gives the top-k ids and log-probs
+(`targets.rollout_targets`): the policy as it sampled (π_old) gives the top-k ids and log-probs
 of every response token; each candidate hint's teacher forward gives its own top-k, its
 log-probs at π_old's top-k ids and π_old's log-probs at its top-k ids (all global log-probs at
 the sampling temperature). The LM head runs on chunks of tokens: no `[B, T, V]` tensor.

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from composer_lightning.rollout.dispatch import provider_values
+from composer_lightning.rollout.providers import provider_values
 from composer_lightning.tasks import FunctionScore
 from composer_lightning.tasks.rewards import takes_batches, trl_inputs, weighted_rewards
 

@@ -1,0 +1,170 @@
+"""What the rollout callback checks at setup, before its engine starts: one line each.
+
+The sampling temperature is set once, in the sampling settings (the module follows it); the
+engine's layout must fit the ranks and the episode settings; the data's tokenizer must fit the
+models, its prompts the engine's context, its minibatches its groups (`runtime/inputs.py`);
+each provider must be able to judge the data's problems. The callback's own settings are
+checked when it is built (`check_settings`), and a resume says each one it changes
+(`setting_changes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+
+from composer_lightning.engines.base import RolloutEngine, SamplingConfig
+from composer_lightning.runtime.errors import ConfigError
+from composer_lightning.runtime.inputs import (
+    check_minibatches,
+    check_prompt_lengths,
+    check_vocabulary,
+    context_length,
+)
+from composer_lightning.runtime.resume import line as resume_line
+from composer_lightning.runtime.resume import same
+
+
+def follow_the_sampling_temperature(pl_module: L.LightningModule, sampling: SamplingConfig) -> None:
+    """Give the module the sampling temperature, or refuse a module temperature that differs."""
+    configured = getattr(pl_module, "configured_temperature", None)
+    if configured is None and hasattr(pl_module, "temperature"):
+        pl_module.temperature = sampling.temperature  # the one place it is set
+    elif configured is not None and abs(configured - sampling.temperature) > 1e-12:
+        raise ConfigError(
+            f"model.temperature ({configured}) differs from rollout.sampling.temperature "
+            f"({sampling.temperature}); log-probs must be those of the sampling "
+            "distribution: set the sampling temperature only (the module follows it)"
+        )
+
+
+def check_engine_layout(world_size: int, tp: int, max_turns: int, max_staleness: int) -> None:
+    """Tensor parallelism must divide the ranks; episodes and generation ahead each exclude
+    what they cannot run with."""
+    if world_size % tp:
+        raise ConfigError(f"tensor_parallel_size {tp} does not divide the world size {world_size}")
+    if max_turns > 1 and (max_staleness or tp > 1):
+        raise ConfigError(
+            f"max_turns={max_turns} runs each episode's turns from this process "
+            f"(the environment answers between them); it is not supported with "
+            f"max_staleness={max_staleness} or tensor_parallel_size {tp}: use "
+            "max_staleness 0 and tensor_parallel_size 1 for multi-turn episodes"
+        )
+    if max_staleness and tp > 1:
+        raise ConfigError(
+            f"max_staleness={max_staleness} runs each rank's engine in a process "
+            f"of its own; an engine with tensor_parallel_size {tp} spans ranks: use "
+            "max_staleness 0 with tensor parallelism"
+        )
+
+
+def check_inputs(
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    engine: RolloutEngine,
+    sampling: SamplingConfig,
+    providers: dict[str, Any],
+) -> tuple[int, str] | None:
+    """What `inputs.py` checks, before the engine starts: the tokenizer against the models,
+    the prompts against the engine's context, minibatches against groups; and each provider
+    (`{"rollout.score": ..., "rollout.hint": ..., "rollout.val_score": ...}`) against the
+    problems it will judge.
+
+    Returns:
+        The engine's context length and where it comes from, or None (unknown, or a data module
+        of other batches: nothing to check).
+    """
+    dm = getattr(trainer, "datamodule", None)
+    if not callable(getattr(dm, "labelled_prompts", None)):
+        return None
+    check_minibatches(getattr(pl_module, "minibatches", 1), dm.prompts_per_step)
+    check_providers(dm, providers)
+    models = {name: getattr(pl_module, name, None) for name in ("policy", "teacher")}
+    check_vocabulary(dm.tokenizer, models)
+    context = context_length(engine, getattr(pl_module, "policy_path", None))
+    if context is not None:
+        check_prompt_lengths(dm.labelled_prompts(), sampling.max_tokens, context)
+    return context
+
+
+def check_providers(dm: Any, providers: dict[str, Any]) -> None:
+    """One line when a provider cannot judge the problems it will see: the score and hint
+    providers on the rows of a prompt file or dataset, the validation score on its held-out
+    rows. A task's problems name their task by contract: nothing to check (and nothing is
+    drawn from the task here)."""
+    if getattr(dm, "file_problems", None) is None:
+        return
+    problems = [dm.with_task(p) for p in dm.file_problems]
+    held_out = dm.validation_problems()
+    for key, provider in providers.items():
+        which = held_out if key.endswith("val_score") else problems
+        check = getattr(provider, "check", None)
+        problem = check(which) if callable(check) and which else None
+        if problem:
+            raise ConfigError(
+                f"{key} ({type(provider).__name__}) cannot judge this run's "
+                f"{'held-out' if key.endswith('val_score') else 'training'} problems: "
+                f"{problem}; give the data a task (data.task), the provider a task, or "
+                "another provider"
+            )
+
+
+def check_settings(
+    *,
+    group_size: int,
+    sampling: SamplingConfig,
+    hint_role: str,
+    val_samples: int,
+    val_threshold: Any,
+    samples_every_n_steps: int,
+    samples_per_step: int,
+    max_staleness: Any,
+    engine_timeout: float | None,
+    max_turns: Any,
+    max_episode_tokens: int | None,
+) -> None:
+    """ValueError naming the bad value, for the rollout callback's own settings."""
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+    if max_episode_tokens is not None and max_episode_tokens < 1:
+        raise ValueError(f"max_episode_tokens must be >= 1 or None, got {max_episode_tokens}")
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+    if engine_timeout is not None and not engine_timeout > 0:
+        raise ValueError(f"engine_timeout must be > 0 seconds or None, got {engine_timeout!r}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if hint_role not in ("user", "system"):
+        raise ValueError(f"hint_role must be 'user' or 'system', got {hint_role!r}")
+    if sampling.temperature == 0:
+        raise ValueError("training rollouts must sample: sampling.temperature must be > 0")
+    if sampling.top_p != 1 or sampling.top_k_or_none is not None:
+        raise ValueError(
+            f"training rollouts sample the full distribution: got top_p="
+            f"{sampling.top_p}, top_k={sampling.top_k} (expected top_p=1.0 and "
+            "top_k None); the trainer's log-probs are those of logits / temperature, so a "
+            "truncated sampler would read as an engine out of sync"
+        )
+    if val_samples < 1:
+        raise ValueError(f"val_samples must be >= 1, got {val_samples}")
+    if isinstance(val_threshold, bool) or not isinstance(val_threshold, (int, float)):
+        raise ValueError(f"val_threshold must be a number, got {val_threshold!r}")
+    if samples_every_n_steps < 0 or samples_per_step < 0:
+        raise ValueError(
+            f"samples_every_n_steps ({samples_every_n_steps}) and samples_per_step "
+            f"({samples_per_step}) must be >= 0"
+        )
+
+
+def setting_changes(saved: dict[str, Any], group_size: int, sampling: SamplingConfig) -> list[str]:
+    """One line per group size or sampling setting a resume changes (the configured one wins)."""
+    lines = []
+    if "group_size" in saved and saved["group_size"] != group_size:
+        lines.append(resume_line("group_size", group_size, saved["group_size"]))
+    old, mine = saved.get("sampling") or {}, asdict(sampling)
+    for key in sorted(set(old) & set(mine)):
+        if not same(old[key], mine[key]):
+            lines.append(resume_line(f"sampling {key}", mine[key], old[key]))
+    return lines
