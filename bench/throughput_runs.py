@@ -117,7 +117,6 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
     import torch
 
     import composer_lightning.engines.fingerprint as fingerprint_file
-    import composer_lightning.rollout.ahead as ahead_file
     import composer_lightning.rollout.callback as rollout_file
     import composer_lightning.training.module as module_file
     from composer_lightning.datamodules.rollout import RolloutDataModule
@@ -131,13 +130,13 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
     timers = Timers()
     for file, name, label in [
         (module_file, "log_step", "logging"),
-        (ahead_file, "generate_ahead", "wait"),
         (rollout_file, "generate_in_group", "generate"),
         (rollout_file, "build_rollout", "score"),
         (fingerprint_file, "tensor_fingerprint", "fingerprint"),
     ]:
         setattr(file, name, timers.wrap(label, getattr(file, name)))
     for cls, name, label in [
+        (GenerationAhead, "generate", "wait"),
         (GenerationAhead, "behavior_logprobs", "canary"),
         (RolloutCallback, "_push", "push"),
         (ComposerModule, "training_step", "update"),

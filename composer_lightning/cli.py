@@ -77,7 +77,7 @@ def run_summary(module, trainer) -> str:
 
 
 def refuse_resume(trainer: Any, module: Any, ckpt_path: str | None) -> None:
-    """The `ConfigError` of what a resume from `ckpt_path` cannot honour (`resume.py`), raised
+    """The `ConfigError` of what a resume from `ckpt_path` cannot honour (`runtime/resume.py`), raised
     before the fit starts; nothing for a fresh run or a checkpoint that is not one file."""
     if (
         not ckpt_path
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             # before anything is built or started, in one line naming the file. LightningCLI
             # would also replace the `model:` section with the checkpoint's hyper-parameters,
             # silently ignoring a changed lr or head list: a resumed fit is built from its own
-            # configuration and compared with the checkpoint (`resume.py`).
+            # configuration and compared with the checkpoint (`runtime/resume.py`).
             path = self.config[self.config.subcommand].get("ckpt_path")
             try:
                 if self.config.get("subcommand") != "fit":

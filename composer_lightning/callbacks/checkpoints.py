@@ -1,5 +1,5 @@
 """`AtomicCheckpoints`: every checkpoint of the run is written atomically, and a failed write
-stops every rank with one error naming the path (`checkpoint_io.py`)."""
+stops every rank with one error naming the path (`runtime/checkpoint_io.py`)."""
 
 from __future__ import annotations
 

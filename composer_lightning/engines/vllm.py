@@ -131,7 +131,7 @@ class VLLMEngine:
             off and `enable_chunked_prefill=True` is refused (module docstring), so
             `max_num_batched_tokens`, if given, must be at least `max_model_len`.
         verbose: vLLM's own logging as it is (INFO lines, every warning, load progress bars);
-            by default INFO is off and the known-harmless warnings are dropped (`logs.py`).
+            by default INFO is off and the known-harmless warnings are dropped (`runtime/logs.py`).
     """
 
     def __init__(

@@ -8,7 +8,7 @@
   other weight as it is. One tensor at a time; the policy itself is never merged in place.
 
 Simplified: plain LoRA on linear layers only. DoRA and the other variants, LoRA on embeddings
-or on the LM head (the forwards apply the LM head weight themselves, `forward.py`), and
+or on the LM head (the forwards apply the LM head weight themselves, `training/forward.py`), and
 `modules_to_save` / trainable tokens are refused with a `ConfigError`.
 """
 

@@ -33,25 +33,6 @@ from composer_lightning.runtime.distributed import world
 from composer_lightning.training.canary import version_logprobs
 
 
-def generate_ahead(
-    background: BackgroundEngine,
-    prompt_batch: Callable[[int], list[list[int]]],
-    step: int,
-    sampling: SamplingConfig,
-    base_seed: int,
-    group_size: int,
-) -> tuple[int, list[list[Completion]], float, Fingerprint | None]:
-    """Prompt batch `step` from this rank's background engine (its version, completions,
-    generation seconds and the engine's fingerprint of that version), after asking for
-    `step + 1 … step + k`."""
-    rank, size = world()
-    for index in range(step, step + background.k + 1):
-        prompts = prompt_batch(index)
-        seed = sampling_seed(base_seed, index, rank, size, 1, len(prompts), group_size)
-        background.ask(index, prompts, group_size, replace(sampling, seed=seed))
-    return background.take(step)
-
-
 class GenerationAhead:
     """This rank's background engine and the batches it generated ahead.
 
@@ -114,9 +95,15 @@ class GenerationAhead:
         base_seed: int,
         group_size: int,
     ) -> tuple[int, list[list[Completion]], float, Fingerprint | None]:
-        """Batch `step` (`generate_ahead`)."""
+        """Prompt batch `step` from the engine (its version, completions, generation seconds
+        and the engine's fingerprint of that version), after asking for `step + 1 … step + k`."""
         assert self.engine is not None, "start the engine first"
-        return generate_ahead(self.engine, prompt_batch, step, sampling, base_seed, group_size)
+        rank, size = world()
+        for index in range(step, step + self.k + 1):
+            prompts = prompt_batch(index)
+            seed = sampling_seed(base_seed, index, rank, size, 1, len(prompts), group_size)
+            self.engine.ask(index, prompts, group_size, replace(sampling, seed=seed))
+        return self.engine.take(step)
 
     def behavior_logprobs(self, pl_module: L.LightningModule, rollout: RolloutBatch) -> None:
         """The canary's trainer side of a stale batch: its first rows' log-probs at the

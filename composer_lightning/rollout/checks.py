@@ -67,7 +67,7 @@ def check_inputs(
     sampling: SamplingConfig,
     providers: dict[str, Any],
 ) -> tuple[int, str] | None:
-    """What `inputs.py` checks, before the engine starts: the tokenizer against the models,
+    """What `runtime/inputs.py` checks, before the engine starts: the tokenizer against the models,
     the prompts against the engine's context, minibatches against groups; and each provider
     (`{"rollout.score": ..., "rollout.hint": ..., "rollout.val_score": ...}`) against the
     problems it will judge.

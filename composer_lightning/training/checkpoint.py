@@ -206,7 +206,7 @@ class CheckpointHooks:
     def resume_differences(self, checkpoint: dict[str, Any], world_size: int) -> Differences:
         """How this module's configuration differs from the one `checkpoint` was trained with
         on `world_size` ranks: the lines of what is honoured, the phrases of what is refused
-        (`resume.py`)."""
+        (`runtime/resume.py`)."""
         found = differences(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
         for problem in (
             policy_mismatch(checkpoint, self.policy),

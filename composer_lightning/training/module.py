@@ -138,7 +138,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         allow_head_changes: resuming from a checkpoint with heads added or removed drops the
             removed heads' saved state and starts the added ones fresh; False (default) makes
             that a configuration error. Other differences from the checkpoint's configuration
-            are honoured or refused as `resume.py` says.
+            are honoured or refused as `runtime/resume.py` says.
     """
 
     def __init__(
@@ -419,5 +419,5 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         return default_max_logprob_gap(self.trainer.precision, rb.engine_dtype)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """Held-out figures the rollout callback computed for this batch (`validation.py`)."""
+        """Held-out figures the rollout callback computed for this batch (`rollout/validation.py`)."""
         log_validation(self, batch["val"])
