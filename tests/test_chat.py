@@ -125,6 +125,36 @@ def test_system_hint_role(tok) -> None:
     assert f"<|system|>{HINT}<|eot|><|assistant|>" in tok.decode(s.teacher_ids)
 
 
+def test_an_inline_hint_is_appended_to_the_question_and_the_reply_maps_unchanged(tok) -> None:
+    messages = Arithmetic().make(3, "+", 4)["messages"]
+    prompt = tokenize_prompt(tok, {"messages": messages})
+    response = tok("8", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    hint = "The answer has 1 digit; the last digit is 7."
+    ctx = single_turn_teacher(tok, messages, response, hint, "inline")
+    assert tok.decode(ctx.teacher_ids[: ctx.response_start]) == (
+        f"<|bos|><|user|>What is 3 + 4?\n\n{hint}<|eot|><|assistant|>"
+    )
+    assert ctx.teacher_ids[ctx.response_start :] == response
+    positions = ctx.positions(len(prompt), len(prompt) + len(response))
+    assert [ctx.teacher_ids[p] for p in positions if p >= 0] == response
+    assert messages[0]["content"] == "What is 3 + 4?"  # the student's chat is left as it was
+
+
+def test_an_inline_hint_in_a_trace_extends_the_error_turn(tok) -> None:
+    messages = trace()
+    s = multi_turn_sample(tok, messages, hint=HINT, hint_role="inline")
+    text = tok.decode(s.teacher_ids)
+    assert f"cannot parse expression 12 +* 30.\n\n{HINT}<|eot|><|assistant|>" in text
+    assert "<|user|>" + HINT not in text  # no message of its own
+    mapped = [t for t in range(len(s.student_ids)) if s.teacher_positions[t] >= 0]
+    assert mapped == [t for t in range(len(s.student_ids)) if s.response_mask[t]]
+    for t in mapped:
+        assert s.teacher_ids[s.teacher_positions[t]] == s.student_ids[t]
+    assert tok.decode([s.student_ids[t] for t in mapped if s.sdpo_mask[t]]) == (
+        'call calculator {"expression": "12 + 30"}<|eot|>42<|eot|>'
+    )
+
+
 @pytest.mark.parametrize("error", [None])
 def test_no_error_turn_gets_no_teacher(tok, error) -> None:
     messages = trace(error=error)

@@ -15,8 +15,8 @@ from tests.test_cli import ROOT, run_cli
 CPU_CONFIGS = sorted(
     p
     for p in glob.glob(str(ROOT / "configs" / "*.yaml"))
-    if "gpu" not in Path(p).name and "fsdp2" not in Path(p).name and "serve" not in Path(p).name
-)  # fsdp2: below; serve: tests/serve (it serves until stopped)
+    if not any(skip in Path(p).name for skip in ("gpu", "fsdp2", "serve", "smollm2"))
+)  # fsdp2: below; serve: tests/serve (it serves until stopped); smollm2: one small step below
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: Path(p).name)
@@ -30,6 +30,28 @@ def test_cpu_config_runs_one_fast_dev_run_step(config, tmp_path):
     )  # Lightning still saves last.ckpt
     assert out.returncode == 0, out.stderr[-4000:]
     assert "fast_dev_run" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "config", sorted(glob.glob(str(ROOT / "configs" / "smollm2*.yaml"))), ids=lambda p: Path(p).name
+)
+def test_a_real_model_config_trains_one_small_step(config, tmp_path):
+    """SmolLM2-135M-Instruct from its PyPI GGUF (converted once into the user's cache), on a
+    small batch: the real model's whole path (conversion, vLLM, the canary) without its cost."""
+    out = run_cli(
+        "fit",
+        "--config",
+        config,
+        "--trainer.max_steps=1",
+        "--trainer.val_check_interval=null",
+        "--trainer.limit_val_batches=0",
+        "--data.init_args.prompts_per_step=2",
+        "--rollout.init_args.group_size=2",
+        "--rollout.init_args.sampling.max_tokens=16",
+        f"--trainer.default_root_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "134.5M params" in out.stdout + out.stderr
 
 
 def _scalars(logdir: Path) -> dict[str, list[float]]:

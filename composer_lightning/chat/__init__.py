@@ -7,12 +7,14 @@ ids out).
 """
 
 from composer_lightning.chat.hints import (
+    HINT_ROLES,
     TeacherContext,
     TraceSample,
     first_error_turn,
     hint_message,
     multi_turn_sample,
     single_turn_teacher,
+    with_hint,
 )
 from composer_lightning.chat.templates import (
     BASE_HINT_SEPARATOR,
@@ -26,6 +28,7 @@ from composer_lightning.chat.templates import (
 )
 
 __all__ = [
+    "HINT_ROLES",
     "BASE_HINT_SEPARATOR",
     "Message",
     "TeacherContext",
@@ -39,5 +42,6 @@ __all__ = [
     "render_ids",
     "single_turn_teacher",
     "template_delta",
+    "with_hint",
     "tokenize_prompt",
 ]

@@ -48,11 +48,28 @@ class TeacherContext:
         return [-1] * prompt_len + list(range(self.response_start, len(self.teacher_ids)))
 
 
+#: Where a hint goes: a message of its own after the context (`user`, `system`), or appended to
+#: the context's last message (`inline`: the question itself, or a tool's error, says more).
+HINT_ROLES = ("user", "system", "inline")
+
+
 def hint_message(hint: str, hint_role: str = "user") -> Message:
     """The message that carries a hint."""
     if hint_role not in ("user", "system"):
         raise ValueError(f"hint_role must be 'user' or 'system', got {hint_role!r}")
     return {"role": hint_role, "content": hint}
+
+
+def with_hint(messages: list[Message], after: int, hint: str, hint_role: str) -> list[Message]:
+    """`messages` with the hint placed after `messages[after]`: a message of its own there, or,
+    `inline`, appended to that message's content (`content + "\n\n" + hint`)."""
+    if hint_role not in HINT_ROLES:
+        raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
+    if hint_role == "inline":
+        message = messages[after]
+        placed = dict(message, content=f"{message['content']}{BASE_HINT_SEPARATOR}{hint}")
+        return [*messages[:after], placed, *messages[after + 1 :]]
+    return [*messages[: after + 1], hint_message(hint, hint_role), *messages[after + 1 :]]
 
 
 def single_turn_teacher(
@@ -74,12 +91,13 @@ def single_turn_teacher(
         messages: the student's prompt chat.
         response_ids: the sampled response token ids (copied unchanged).
         hint: hint text.
-        hint_role: role of the hint message ("user" or "system").
+        hint_role: where the hint goes (`HINT_ROLES`): a "user" or "system" message after
+            `messages`, or "inline", appended to their last message.
     """
     if has_chat_template(tokenizer):
         prompt = render_ids(
             tokenizer,
-            [*messages, hint_message(hint, hint_role)],
+            with_hint(messages, len(messages) - 1, hint, hint_role),
             add_generation_prompt=True,
             tools=tools,
         )
@@ -161,7 +179,8 @@ def multi_turn_sample(
 ) -> TraceSample:
     """Tokenise a tool trace; with a hint and an error turn, build the hinted teacher.
 
-    The hint message goes right after the first erroneous turn. A trace without an error turn,
+    The hint goes right after the first erroneous turn (`with_hint`: a message of its own, or
+    appended to that turn's message with `hint_role="inline"`). A trace without an error turn,
     without a hint, or without an assistant turn after the error gets no teacher (nothing after
     the hint to supervise).
 
@@ -184,11 +203,8 @@ def multi_turn_sample(
     if hint is None or not recovers:
         return no_teacher
     assert error is not None
-    teacher_messages = [
-        *messages[: error + 1],
-        hint_message(hint, hint_role),
-        *messages[error + 1 :],
-    ]
+    teacher_messages = with_hint(messages, error, hint, hint_role)
+    shift = len(teacher_messages) - len(messages)  # 1 for a message of its own, 0 inline
     teacher, teacher_spans = _turn_spans(tokenizer, teacher_messages)
     positions = [-1] * len(student)
     sdpo_mask = [False] * len(student)
@@ -196,7 +212,7 @@ def multi_turn_sample(
         if msg["role"] != "assistant":
             continue
         _, s_content, s_end = spans[k]
-        _, t_content, t_end = teacher_spans[k if k <= error else k + 1]
+        _, t_content, t_end = teacher_spans[k if k <= error else k + shift]
         if s_end - s_content != t_end - t_content:
             raise ValueError(
                 f"chat template is not prefix-stable: turn {k} changes length with the hint"

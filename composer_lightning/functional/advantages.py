@@ -116,6 +116,7 @@ def opd_advantages(
     old_logprobs: Tensor,  # [B, T]
     response_mask: Tensor,  # [B, T] bool or 0/1 float
     gap_clip: float | None = None,
+    center: str | None = None,
 ) -> Tensor:  # [B, T]
     """On-policy distillation advantage: teacher minus behaviour log-prob per sampled token.
 
@@ -133,12 +134,20 @@ def opd_advantages(
         gap_clip: clamp the gap to `[-gap_clip, gap_clip]` (> 0; OpenClaw-RL's top-k OPD clips
             it at 1.0): log-probs scale with 1 / temperature and a confident teacher gives gaps
             of tens of nats on a wrong token; None: no clamp.
+        center: "sequence" subtracts each sequence's mean gap over its masked tokens (after the
+            clamp), so every sequence's advantages sum to 0: the part of the signal that moves
+            a whole reply alike (a hint that changes how the teacher would answer, not what)
+            is removed and what stays is which tokens the teacher finds likelier than the rest
+            of the same reply. The sample estimate of the reverse KL is <= 0 in expectation,
+            so uncentred it pushes nearly every sampled reply down. None: no centring.
 
     Returns:
         The advantage term.
     """
     if gap_clip is not None and not gap_clip > 0:
         raise ValueError(f"gap_clip must be > 0 or None, got {gap_clip}")
+    if center not in (None, "sequence"):
+        raise ValueError(f"center must be None or 'sequence', got {center!r}")
     check_same_shape(
         ("teacher_logprobs", teacher_logprobs),
         ("old_logprobs", old_logprobs),
@@ -148,7 +157,11 @@ def opd_advantages(
     diff = teacher_logprobs - old_logprobs
     if gap_clip is not None:
         diff = diff.clamp(-gap_clip, gap_clip)
-    return torch.where(mask, diff, torch.zeros_like(diff))
+    diff = torch.where(mask, diff, torch.zeros_like(diff))
+    if center == "sequence":
+        count = mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+        diff = torch.where(mask, diff - diff.sum(-1, keepdim=True) / count, torch.zeros_like(diff))
+    return diff
 
 
 def episode_advantages(

@@ -7,6 +7,7 @@ frozen teacher model; either way the module runs ONE teacher forward shared with
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 from composer_lightning.functional import opd_advantages
 from composer_lightning.heads.base import Head, HeadOutput
@@ -25,6 +26,8 @@ class OPDHead(Head):
         weight, name, schedule: as every head's.
         gap_clip: clamp `teacher − old` to `[-gap_clip, gap_clip]` (OpenClaw-RL's top-k OPD uses
             1.0); None (default): the plain gap, as OpenClaw-RL's combine.
+        center: "sequence": subtract each reply's mean gap, so a hint that moves the whole
+            reply alike pushes none of it (`functional.opd_advantages`); None: the plain gap.
     """
 
     default_name = "opd"
@@ -34,13 +37,16 @@ class OPDHead(Head):
         self,
         weight: float = 1.0,
         gap_clip: float | None = None,
+        center: Literal["sequence"] | None = None,
         name: str | None = None,
         schedule: Schedule | None = None,
     ):
         super().__init__(name=name, weight=weight, schedule=schedule)
         if gap_clip is not None and not gap_clip > 0:
             raise ValueError(f"{self.name}: gap_clip must be > 0 or None, got {gap_clip}")
-        self.gap_clip = gap_clip
+        if center not in (None, "sequence"):
+            raise ValueError(f"{self.name}: center must be None or 'sequence', got {center!r}")
+        self.gap_clip, self.center = gap_clip, center
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         aligned = ctx.teacher_aligned  # [B]
@@ -53,7 +59,11 @@ class OPDHead(Head):
             )
         active = batch.response_mask & (batch.has_teacher & aligned).unsqueeze(1)  # [B, T]
         advantages = opd_advantages(
-            ctx.teacher_logprobs, ctx.old_logprobs, active, gap_clip=self.gap_clip
+            ctx.teacher_logprobs,
+            ctx.old_logprobs,
+            active,
+            gap_clip=self.gap_clip,
+            center=self.center,
         )
         return HeadOutput(
             advantages=advantages.detach(),

@@ -87,7 +87,8 @@ class RolloutCallback(L.Callback):
         score: score provider; default the task verifier.
         hint: hint provider; None gives no teacher (no OPD/SDPO signal). It is not called
             (nor any teacher run) while no head with a non-zero weight reads a teacher.
-        hint_role: role of the message that carries the hint.
+        hint_role: where the hint goes: a "user" or "system" message after the prompt, or
+            "inline", appended to the prompt's last message (`chat.with_hint`).
         samples_every_n_steps: every this many steps, `samples_per_step` of rank 0's samples
             (prompt, completion, reward, hint) go to `rollouts.jsonl` in the run directory and
             to TensorBoard's TEXT tab; 0 turns this off.
@@ -123,7 +124,7 @@ class RolloutCallback(L.Callback):
         sampling: SamplingConfig | None = None,
         score: ScoreProvider | None = None,
         hint: HintProvider | None = None,
-        hint_role: Literal["user", "system"] = "user",
+        hint_role: Literal["user", "system", "inline"] = "user",
         samples_every_n_steps: int = 10,
         samples_per_step: int = 4,
         val_samples: int = 4,

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 
+from composer_lightning.chat import HINT_ROLES
 from composer_lightning.engines.base import RolloutEngine, SamplingConfig
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.inputs import (
@@ -136,8 +137,8 @@ def check_settings(
         raise ValueError(f"engine_timeout must be > 0 seconds or None, got {engine_timeout!r}")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if hint_role not in ("user", "system"):
-        raise ValueError(f"hint_role must be 'user' or 'system', got {hint_role!r}")
+    if hint_role not in HINT_ROLES:
+        raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
     if sampling.temperature == 0:
         raise ValueError("training rollouts must sample: sampling.temperature must be > 0")
     if sampling.top_p != 1 or sampling.top_k_or_none is not None:

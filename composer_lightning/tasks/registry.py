@@ -9,6 +9,8 @@ from composer_lightning.tasks.base import Task
 
 BUILTIN_TASKS: dict[str, str] = {
     "arithmetic": "composer_lightning.tasks.arithmetic.Arithmetic",
+    "chat_arithmetic": "composer_lightning.tasks.chat_math.ChatArithmetic",
+    "word_problems": "composer_lightning.tasks.chat_math.WordProblems",
     "reverse": "composer_lightning.tasks.reverse.ReverseDigits",
     "tool_calc": "composer_lightning.tasks.tool_calc.ToolCalc",
 }
@@ -28,7 +30,8 @@ def get_task(name_or_class_path: str, **kwargs: Any) -> Task:
     """Build a task from a built-in short name or a dotted class path.
 
     Args:
-        name_or_class_path: e.g. "arithmetic", "reverse", "tool_calc" or "my_pkg.tasks.MyTask".
+        name_or_class_path: e.g. "arithmetic", "chat_arithmetic", "word_problems", "reverse",
+            "tool_calc" or "my_pkg.tasks.MyTask".
         **kwargs: passed to the task's constructor.
 
     Raises:

@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from composer_lightning.callbacks.checkpoints import AtomicCheckpoints
+from composer_lightning.callbacks.collapse import CollapseWatch
 from composer_lightning.callbacks.precision import AbsorbedUpdates
 from composer_lightning.callbacks.progress import in_place_of_the_default_bar
 from composer_lightning.callbacks.stop import CheckpointOnStop
@@ -251,7 +252,10 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         check_trainer_options(self.trainer, self.micro_batching.enabled)
         # progress in optimizer steps, not Lightning's "Epoch 0/-2" of an endless stream
         bar = in_place_of_the_default_bar(self.trainer)
-        return bar + [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
+        # a collapse is said as it happens, with the trainer's own thresholds if it has a watch
+        watched = any(isinstance(c, CollapseWatch) for c in self.trainer.callbacks)
+        watch = [] if watched else [CollapseWatch()]
+        return bar + watch + [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:
         opt, sched = self._optimizer_and_scheduler(self.trainable_parameters())

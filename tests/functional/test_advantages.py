@@ -104,6 +104,46 @@ def test_opd_gap_clip_clamps_both_signs_on_the_mask_only():
         opd_advantages(teacher, old, mask, gap_clip=0)
 
 
+def test_opd_sequence_centring_by_hand():
+    """Row 0's gaps 0.5 and -1.0 have mean -0.25: centred 0.75 and -0.75; row 1's single gap
+    centres to 0; off-mask stays exactly 0 (NaN and inf there included)."""
+    teacher = torch.tensor([[-1.0, -2.0, math.nan], [-0.5, math.inf, -3.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.5, -1.0, -1.0], [-0.25, -1.0, -math.inf]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    assert opd_advantages(teacher, old, mask, center="sequence").tolist() == [
+        [0.75, -0.75, 0.0],
+        [0.0, 0.0, 0.0],
+    ]
+    # after the clamp: [-1, 0.3, 1] has mean 0.1
+    clipped = opd_advantages(
+        torch.tensor([[-30.0, -0.2, -1.0, 5.0]], dtype=torch.float64),
+        torch.tensor([[-1.0, -0.5, -4.0, 0.0]], dtype=torch.float64),
+        torch.tensor([[1, 1, 1, 0]], dtype=torch.bool),
+        gap_clip=1.0,
+        center="sequence",
+    )
+    assert torch.allclose(clipped, torch.tensor([[-1.1, 0.2, 0.9, 0.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="center must be None or 'sequence', got 'token'"):
+        opd_advantages(teacher, old, mask, center="token")
+
+
+def test_opd_sequence_centring_against_a_loop_reference():
+    g = torch.Generator().manual_seed(0)
+    teacher = -torch.rand(5, 9, generator=g, dtype=torch.float64) * 4
+    old = -torch.rand(5, 9, generator=g, dtype=torch.float64) * 4
+    mask = torch.rand(5, 9, generator=g) < 0.6
+    mask[3] = False  # a row without masked tokens: all zeros
+    adv = opd_advantages(teacher, old, mask, gap_clip=1.5, center="sequence")
+    for b in range(5):
+        gaps = [max(-1.5, min(1.5, float(teacher[b, t] - old[b, t]))) for t in range(9)]
+        on = [t for t in range(9) if mask[b, t]]
+        mean = sum(gaps[t] for t in on) / len(on) if on else 0.0
+        for t in range(9):
+            want = gaps[t] - mean if mask[b, t] else 0.0
+            assert abs(float(adv[b, t]) - want) < 1e-12
+    assert torch.allclose(adv.sum(-1), torch.zeros(5, dtype=torch.float64), atol=1e-12)
+
+
 def test_opd_shape_error():
     with pytest.raises(
         ValueError,

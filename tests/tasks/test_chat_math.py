@@ -1,0 +1,80 @@
+"""Chat arithmetic and word problems: the answer is where a chat model puts it (by hand)."""
+
+from __future__ import annotations
+
+import pytest
+
+from composer_lightning.tasks import get_task
+from composer_lightning.tasks.chat_math import ChatArithmetic, WordProblems, final_integer
+
+
+@pytest.mark.parametrize(
+    "reply,expected",
+    [
+        ("12 + 32 = 44.", 44),  # the last number, not the first (12)
+        ("To add 7 and 6, count on from 7: 7 + 6 equals 13.", 13),
+        ("The total is 1,234 apples.", 1234),  # digit groups
+        ("So the answer is \\boxed{13}. Check: 13 + 1 = 14", 13),  # a boxed answer wins
+        ("\\boxed{x = -5}", -5),
+        ("It is negative: -7", -7),
+        ("No idea.", None),
+        ("12, 345", 345),  # a comma and a space: two numbers
+    ],
+)
+def test_the_final_integer_of_a_reply(reply, expected):
+    assert final_integer(reply) == expected
+
+
+def test_chat_arithmetic_scores_the_final_number_and_hints_the_wrong_digit():
+    task = ChatArithmetic()
+    problem = task.make(17, "+", 25)  # 42
+    assert problem["task"] == "chat_arithmetic" and problem["answer"] == "42"
+    assert task.verify(problem, "17 + 25 = 42.").reward == 1.0
+    assert task.verify(problem, "The answer is 42, since 17 + 25 = 42.").reward == 1.0
+    wrong = task.verify(problem, "17 + 25 = 32.")  # the first digit is wrong: 3 vs 4
+    assert wrong.reward == 0.0 and wrong.hint == "The answer has 2 digits; the first digit is 4."
+    wrong = task.verify(problem, "17 + 25 = 43.")  # the last digit is wrong
+    assert wrong.hint == "The answer has 2 digits; the last digit is 2."
+    none = task.verify(problem, "I cannot add.")
+    assert none.hint == "Reply with a number. The answer has 2 digits; the last digit is 2."
+    assert task.hint_candidates(problem, "17 + 25 = 43.", 2) == [
+        "The answer has 2 digits; the last digit is 2.",
+        "The answer has 2 digits; the first digit is 4.",
+    ]
+    assert task.hint_candidates(problem, "42", 2) == []
+
+
+def test_chat_arithmetic_draws_two_digit_operands_by_default():
+    problems = ChatArithmetic().samples(200, seed=1)
+    operands = [p["a"] for p in problems] + [p["b"] for p in problems]
+    assert min(operands) >= 10 and max(operands) <= 49
+    assert all(int(p["answer"]) == p["a"] + p["b"] for p in problems)
+
+
+def test_word_problems_answer_a_plus_b_minus_c():
+    task = WordProblems()
+    problem = task.make("Tom", "He", "apples", 29, 13, 4)
+    assert problem["messages"][0]["content"] == (
+        "Tom has 29 apples. He buys 13 more and gives away 4. How many apples does Tom have now?"
+    )
+    assert problem["answer"] == "38"
+    assert task.verify(problem, "29 + 13 = 42, and 42 - 4 = 38. Tom has 38 apples.").reward == 1.0
+    # 42 against 38: both digits wrong, the hint names the rightmost (where carries start)
+    assert task.verify(problem, "Tom has 42 apples.").hint == (
+        "The answer has 2 digits; the last digit is 8."
+    )
+    for p in task.samples(200, seed=2):
+        assert int(p["answer"]) >= 0
+
+
+def test_both_are_found_by_name_and_verify_any_of_their_problems():
+    for name, cls in (("chat_arithmetic", ChatArithmetic), ("word_problems", WordProblems)):
+        task = get_task(name)
+        assert isinstance(task, cls)
+        problem = task.samples(1, seed=0)[0]
+        assert get_task(problem["task"]).verify(problem, problem["answer"]).reward == 1.0
+
+
+def test_bad_ranges_are_refused_naming_the_value():
+    with pytest.raises(ValueError, match=r"given must be a range 0 <= low <= high, got \(5, 1\)"):
+        WordProblems(given=(5, 1))
