@@ -65,7 +65,35 @@ def number_hint(answer: int, guess: int | None, digit: int | None = None) -> str
     return text
 
 
-class Arithmetic(Task):
+class IntegerAnswer(Task):
+    """A task whose answer is an integer (`problem["answer"]`): reward 1.0 when the reply's
+    `guess` equals it, else 0.0 and a hint naming the digit count and one digit."""
+
+    required_fields = ("answer",)
+
+    def guess(self, completion: str) -> int | None:
+        """The integer the reply gives: its first (the tiny policy answers with a number)."""
+        return first_integer(completion)
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        answer = int(problem["answer"])
+        guess = self.guess(completion)
+        if guess == answer:
+            return Verdict(1.0, None)
+        return Verdict(0.0, number_hint(answer, guess))
+
+    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
+        """The verifier's hint, then the same hint naming each other digit, rightmost first."""
+        answer = int(problem["answer"])
+        guess = self.guess(completion)
+        if guess == answer:
+            return []
+        first = wrong_digit(answer, guess)
+        others = [i for i in reversed(range(len(str(abs(answer))))) if i != first]
+        return [number_hint(answer, guess, d) for d in [first, *others]][:n]
+
+
+class Arithmetic(IntegerAnswer):
     """`a <op> b` for integers drawn uniformly from [min_value, max_value].
 
     Args:
@@ -80,7 +108,6 @@ class Arithmetic(Task):
     """
 
     name = "arithmetic"
-    required_fields = ("answer",)
 
     def __init__(
         self,
@@ -133,20 +160,3 @@ class Arithmetic(Task):
         if op == "-" and not self.allow_negative and b > a:
             a, b = b, a
         return self.make(a, op, b)
-
-    def verify(self, problem: Problem, completion: str) -> Verdict:
-        answer = int(problem["answer"])
-        guess = first_integer(completion)
-        if guess == answer:
-            return Verdict(1.0, None)
-        return Verdict(0.0, number_hint(answer, guess))
-
-    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
-        """The verifier's hint, then the same hint naming each other digit, rightmost first."""
-        answer = int(problem["answer"])
-        guess = first_integer(completion)
-        if guess == answer:
-            return []
-        first = wrong_digit(answer, guess)
-        others = [i for i in reversed(range(len(str(abs(answer))))) if i != first]
-        return [number_hint(answer, guess, d) for d in [first, *others]][:n]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 import re
 
-from composer_lightning.tasks.arithmetic import Arithmetic, number_hint, wrong_digit
-from composer_lightning.tasks.base import Problem, Task, Verdict
+from composer_lightning.tasks.arithmetic import Arithmetic, IntegerAnswer
+from composer_lightning.tasks.base import Problem
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
 _BOXED = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
@@ -35,27 +35,11 @@ def final_integer(text: str) -> int | None:
     return int(numbers[-1].replace(",", "")) if numbers else None
 
 
-class _FinalAnswer(Task):
+class _FinalAnswer(IntegerAnswer):
     """Verified on the reply's final integer (`final_integer`), hinted as `arithmetic` is."""
 
-    required_fields = ("answer",)
-
-    def verify(self, problem: Problem, completion: str) -> Verdict:
-        answer = int(problem["answer"])
-        guess = final_integer(completion)
-        if guess == answer:
-            return Verdict(1.0, None)
-        return Verdict(0.0, number_hint(answer, guess))
-
-    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
-        """The verifier's hint, then the same hint naming each other digit, rightmost first."""
-        answer = int(problem["answer"])
-        guess = final_integer(completion)
-        if guess == answer:
-            return []
-        first = wrong_digit(answer, guess)
-        others = [i for i in reversed(range(len(str(abs(answer))))) if i != first]
-        return [number_hint(answer, guess, d) for d in [first, *others]][:n]
+    def guess(self, completion: str) -> int | None:
+        return final_integer(completion)
 
 
 class ChatArithmetic(_FinalAnswer, Arithmetic):
