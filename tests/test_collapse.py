@@ -67,6 +67,18 @@ def test_held_out_accuracy_falling_from_its_best():
     assert watch.observe_validation(25, 0.0) == []  # said once
 
 
+def test_the_default_margin_sees_a_collapse_from_a_low_start_but_not_noise():
+    # SmolLM2, combine as OpenClaw ships it: 0.109 at step 10, 0.031 at 20 (half of it: 0.0545)
+    watch = CollapseWatch()
+    assert watch.observe_validation(10, 0.109) == []
+    assert watch.observe_validation(20, 0.031) == [
+        "composer_lightning: collapse: held-out accuracy fell from 0.109 (step 10) to 0.031 "
+        "(step 20)"
+    ]
+    noisy = CollapseWatch()  # below half, but by less than 0.05: one or two problems of 64
+    assert noisy.observe_validation(10, 0.06) == [] and noisy.observe_validation(20, 0.02) == []
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

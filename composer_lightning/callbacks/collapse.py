@@ -6,8 +6,8 @@ policy drifted to truncated non-answers (truncation 0.04 → 0.97); the loss loo
 throughout. `CollapseWatch` compares each step with how the run started and says, once per
 fall, what fell, from what, to what, and since when:
 
-- held-out accuracy (`val/accuracy`) at least `accuracy_drop` below its best so far, and below
-  half of it;
+- held-out accuracy (`val/accuracy`) below half of its best so far, and at least
+  `accuracy_drop` below it;
 - the mean response length over the last `window` steps below `length_ratio` × that of the first
   `window` steps;
 - the truncation rate over the last `window` steps above `max_truncation` when it started below.
@@ -34,8 +34,9 @@ class CollapseWatch(L.Callback):
     """Say (and optionally stop) when held-out accuracy, reply length or truncation collapse.
 
     Args:
-        accuracy_drop: a held-out accuracy this far below the run's best (and below half of it)
-            is a collapse.
+        accuracy_drop: a held-out accuracy below half of the run's best and at least this far
+            below it is a collapse (the margin keeps a noisy low accuracy from crying wolf:
+            on SmolLM2 the shipped combine went 0.109 -> 0.031, Dr. GRPO alone 0.359 -> 0.578).
         length_ratio: a mean response length over the last `window` steps below this fraction
             of the first `window` steps' is a collapse.
         max_truncation: a truncation rate over the last `window` steps above this, in a run
@@ -46,7 +47,7 @@ class CollapseWatch(L.Callback):
 
     def __init__(
         self,
-        accuracy_drop: float = 0.2,
+        accuracy_drop: float = 0.05,
         length_ratio: float = 0.5,
         max_truncation: float = 0.5,
         window: int = 5,
