@@ -28,6 +28,7 @@ from composer_lightning.callbacks.precision import AbsorbedUpdates
 from composer_lightning.callbacks.progress import in_place_of_the_default_bar
 from composer_lightning.callbacks.stop import CheckpointOnStop
 from composer_lightning.heads.base import Head
+from composer_lightning.models.dropout import without_dropout
 from composer_lightning.models.loading import (
     absolute_spec,
     frozen_model,
@@ -206,6 +207,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             self.policy = load_causal_lm(policy)
         if peft is not None:
             self.policy = lora_policy(self.policy, peft)
+        without_dropout(self.policy)  # every forward of the step deterministic (models/dropout.py)
         self._policy_files: dict[str, bytes] | None = None
         if activation_checkpointing:
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
