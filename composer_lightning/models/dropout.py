@@ -28,7 +28,7 @@ def without_dropout(model: nn.Module) -> int:
             continue
         for name in RATE_ATTRIBUTES:
             value = getattr(module, name, None)
-            if isinstance(value, float) and not isinstance(value, bool) and value > 0:
+            if isinstance(value, float) and value > 0:
                 setattr(module, name, 0.0)
                 turned += 1
     return turned

@@ -12,8 +12,9 @@ hyper-parameters keep the spec itself.
 
 The directory is named by the file's SHA-256 (and this converter's version): the same file
 converts once per cache, wherever it lies, and a changed file converts again. It is built
-beside its final name and renamed into place (`runtime/atomic.py`), so a crash mid-conversion
-leaves no half directory and concurrent ranks agree on one. The cache is
+beside its final name and renamed into place, so a crash mid-conversion leaves no half
+directory; the first process to rename wins and the others use its directory (not
+`runtime/atomic.swap_dir`, which would replace it). The cache is
 `COMPOSER_LIGHTNING_CACHE/gguf`, else `XDG_CACHE_HOME/composer_lightning/gguf`, else
 `~/.cache/composer_lightning/gguf`.
 

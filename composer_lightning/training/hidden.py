@@ -2,7 +2,7 @@
 
 The trainer never asks a model for `[B, T, V]` logits: it takes the final (normed) hidden
 states and the LM-head weight, and applies the head in chunks of tokens (`functional.chunked`).
-Every forward of the step (`forward.py`, `topk_targets.py`, `accumulate.py`) calls down to
+Every forward of the step (`forward.py`, `topk_targets.py`, `targets.py`, `accumulate.py`) calls down to
 here, so the chunk size and the model contract are stated once.
 
 The models are HF-style causal LMs: `get_output_embeddings()` (an LM head without bias) and
