@@ -13,6 +13,13 @@ saves `last.ckpt` in the run's checkpoint directory (the state after a whole ste
 pushed: resuming continues exactly) and sets the exit status to 128 + the signal number (the
 lowest signalled rank's signal). A second Ctrl-C interrupts at once. `ComposerModule` adds this
 callback itself.
+
+Lightning's launcher (rank 0, which starts the other ranks as its children) runs a thread that
+SIGKILLs rank 0 within 5 s of any child exiting non-zero: right for a crash, wrong for this
+stop, where every rank exits with 128 + the signal on purpose and rank 0 may take a moment
+longer to tear down than its children (it then ended with -9, not 128 + the signal). On an
+agreed stop, `_accept_exit_status` has that thread count the agreed status as a clean exit;
+any other non-zero status still kills.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ class CheckpointOnStop(L.Callback):
         if not isinstance(exception, SIGTERMException):
             return
         signum = self._signal or signal.SIGTERM  # Lightning's own stop, before our handlers
+        _accept_exit_status(128 + int(signum))  # before the save: no child has exited yet
         path = os.path.join(checkpoint_dir(trainer), "last.ckpt")
         trainer.save_checkpoint(path)  # every rank: a collective under FSDP2
         rank_zero_info(
@@ -108,3 +116,29 @@ class CheckpointOnStop(L.Callback):
             f"saved {path} (resume with --ckpt_path {path})"
         )
         exception.code = 128 + int(signum)
+
+
+def _accept_exit_status(status: int) -> None:
+    """Have Lightning's child-process observer (a thread on the launching rank, absent on the
+    others and under external launchers) treat a child's exit with `status` as a clean one.
+
+    The observer (`lightning.fabric.strategies.launchers.subprocess_script`) polls its children
+    every few seconds and SIGKILLs every process once one has a non-zero return code. Its
+    `_run` is replaced, for this process's observers only, by one that counts `status` as 0;
+    a different non-zero status still goes to Lightning's own check, which kills as before.
+    """
+    for thread in threading.enumerate():
+        if type(thread).__name__ != "_ChildProcessObserver" or not hasattr(thread, "_run"):
+            continue
+        lightning_run = thread._run
+        children = thread._child_processes
+
+        def run(children=children, lightning_run=lightning_run) -> bool:
+            for proc in children:
+                proc.poll()
+            codes = [proc.returncode for proc in children]
+            if any(code not in (None, 0, status) for code in codes):
+                return lightning_run()  # a crash besides the stop: Lightning kills all
+            return all(code in (0, status) for code in codes)  # all gone: the thread ends
+
+        thread._run = run

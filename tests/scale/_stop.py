@@ -17,6 +17,7 @@ killed with all its ranks.
 import json
 import os
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -120,6 +121,10 @@ def main(kind: str, args: list[str], out: str) -> None:
     if trainer.global_rank == 0:  # rank 1 is rank 0's child: its real exit status
         launcher = trainer.strategy.launcher
         record["children"] = [p.wait(timeout=60) for p in getattr(launcher, "procs", [])]
+        if kind == "signalled":
+            # Outlive the children by more than Lightning's observer's 5 s poll: it sees rank
+            # 1's 128 + signal while rank 0 runs and must let it be (it SIGKILLed rank 0 once).
+            time.sleep(6)
     with open(f"{out}.rank{trainer.global_rank}", "w") as f:
         json.dump(record, f)
     # Skip interpreter teardown: gloo's threads can abort it after the work is done.
