@@ -158,6 +158,55 @@ def test_limits_end_an_episode_marked_not_crashed():
     assert cut.status == "truncated" and cut.turns[0].completion.finish_reason == "length"
 
 
+def _problem(content):
+    return {"messages": [{"role": "user", "content": content}], "task": "arithmetic", "answer": 5}
+
+
+def test_turn_zero_gives_each_problem_the_room_its_own_opening_leaves():
+    """A long opening beside a short one: each gets max_episode_tokens minus its own length
+    (one call per budget, seeds not reused), not the batch's smallest budget."""
+    problems = [_problem("2+3="), _problem("2+3= " + "please add these " * 6)]
+    ids = [render_ids(TOK, p["messages"], True) for p in problems]
+    short, long = len(ids[0]), len(ids[1])
+    assert long > short + 10
+    generate = scripted([["5"]])
+    limit = long + 8
+    run_episodes(generate, problems, ids, lambda p: ToolEnv(), TOK, SAMPLING, 2, 1, limit)
+    calls = sorted(generate.calls, key=lambda c: c[3])
+    assert [(c[0], c[1], c[3]) for c in calls] == [(1, 2, 8), (1, 2, min(16, limit - short))]
+    assert sorted(c[2] for c in calls) == [100, 102]  # seed ranges of 2 samples each, disjoint
+    # equal budgets: one call with the whole batch, as a single-turn rollout
+    generate = scripted([["5"]])
+    run_episodes(generate, problems, ids, lambda p: ToolEnv(), TOK, SAMPLING, 2, 1, None)
+    assert generate.calls == [(2, 2, 100, 16)]
+
+
+def test_an_opening_without_room_fails_its_own_episodes_and_the_batch_goes_on():
+    problems = [_problem("2+3="), _problem("2+3= " + "please add these " * 6)]
+    ids = [render_ids(TOK, p["messages"], True) for p in problems]
+    ok, full = run_episodes(
+        scripted([["5"]]), problems, ids, lambda p: ToolEnv(), TOK, SAMPLING, 2, 1, len(ids[1])
+    )
+    assert [e.status for e in ok] == ["done", "done"]
+    assert [e.status for e in full] == ["failed", "failed"] and not full[0].turns
+    assert full[0].error == (
+        f"its opening has {len(ids[1])} tokens: no room for a reply within "
+        f"max_episode_tokens {len(ids[1])}"
+    )
+    rollout, metrics, _ = build_rollout(
+        {"prompt_ids": ids, "problems": problems, "index": 0},
+        [ok, full],
+        TOK,
+        16,
+        VerifierScore(),
+        None,
+        "user",
+        2,
+        0,
+    )
+    assert rollout.input_ids.shape[0] == 2  # the two episodes that ran; the others dropped
+
+
 class Raising(ToolEnv):
     def step(self, message):
         raise RuntimeError("tool server down")

@@ -21,10 +21,12 @@ from tests.helpers import quiet_trainer
 POLICY = tiny_policy_path()
 
 
-def _fit(module, dm, steps=1):
+def _fit(module, dm, steps=1, **rollout):
     """Fit; whatever it raises is raised with `.engine_started` set on it."""
     engine = HFEngine(seed=0)  # follows the policy's directory
-    cb = RolloutCallback(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0))
+    cb = RolloutCallback(
+        engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0), **rollout
+    )
     trainer = quiet_trainer(
         max_steps=steps,
         callbacks=[cb],
@@ -78,6 +80,25 @@ def test_a_prompt_file_line_too_long_for_the_engine_is_one_line_at_setup_naming_
         f"prompt {path}:2 has 253 tokens: with max_tokens 6 it needs 259 positions, more "
         f"than the engine's context of 256 (max_position_embeddings of {POLICY}); shorten the "
         "prompt or lower sampling.max_tokens"
+    )
+
+
+def test_a_prompt_with_no_room_in_max_episode_tokens_is_one_line_at_setup(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "1 + " * 20, "answer": 2}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dm = RolloutDataModule(
+        tokenizer=POLICY, task="arithmetic", prompt_file=str(path), prompts_per_step=1
+    )
+    with pytest.raises(ConfigError) as err:
+        _fit(ComposerModule(POLICY, [DrGRPOHead()]), dm, max_episode_tokens=40)
+    assert not err.value.engine_started
+    n = len(dm.prompt_ids({"prompt": "1 + " * 20}))
+    assert n >= 40
+    assert str(err.value) == (
+        f"prompt {path}:2 has {n} tokens, no room for a reply within "
+        "rollout.max_episode_tokens=40; raise max_episode_tokens above the longest prompt or "
+        "shorten the prompt"
     )
 
 

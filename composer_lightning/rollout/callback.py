@@ -58,7 +58,7 @@ from composer_lightning.runtime.distributed import (
     shared_seed,
     world,
 )
-from composer_lightning.runtime.inputs import check_prompt_lengths
+from composer_lightning.runtime.inputs import check_episode_room, check_prompt_lengths
 from composer_lightning.runtime.resume import Differences
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
 from composer_lightning.tasks.verifiers import VerifierScore
@@ -181,7 +181,14 @@ class RolloutCallback(L.Callback):
             "rollout.hint": self.hint,
             "rollout.val_score": self.val_score,
         }
-        self._context = check_inputs(trainer, pl_module, self.engine, self.sampling, providers)
+        self._context = check_inputs(
+            trainer,
+            pl_module,
+            self.engine,
+            self.sampling,
+            providers,
+            self.episodes.max_episode_tokens,
+        )
         self.episodes.context_length = None if self._context is None else self._context[0]
         context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
         tp = self.engine.tensor_parallel_size
@@ -371,9 +378,10 @@ class RolloutCallback(L.Callback):
         sampling = self._sampling(tokenizer)
         start = time.perf_counter()
         step = int(batch["index"])
-        if self._context is not None:  # a task's prompts: only the first batch was checked
-            prompts = batch["prompt_ids"]
-            where = [(f"{j} of rollout batch {step}", ids) for j, ids in enumerate(prompts)]
+        # a task's prompts: only the first batch was checked at setup
+        where = [(f"{j} of rollout batch {step}", ids) for j, ids in enumerate(batch["prompt_ids"])]
+        check_episode_room(where, self.episodes.max_episode_tokens)
+        if self._context is not None:
             check_prompt_lengths(where, sampling.max_tokens, self._context)
         if self._ahead.engine is not None:
             version, outs, gen_time, engine_print = self._ahead.generate(

@@ -19,6 +19,7 @@ from composer_lightning.chat import HINT_ROLES
 from composer_lightning.engines.base import RolloutEngine, SamplingConfig
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.inputs import (
+    check_episode_room,
     check_minibatches,
     check_prompt_lengths,
     check_vocabulary,
@@ -67,11 +68,12 @@ def check_inputs(
     engine: RolloutEngine,
     sampling: SamplingConfig,
     providers: dict[str, Any],
+    max_episode_tokens: int | None = None,
 ) -> tuple[int, str] | None:
     """What `runtime/inputs.py` checks, before the engine starts: the tokenizer against the models,
-    the prompts against the engine's context, minibatches against groups; and each provider
-    (`{"rollout.score": ..., "rollout.hint": ..., "rollout.val_score": ...}`) against the
-    problems it will judge.
+    the prompts against the engine's context and `max_episode_tokens`, minibatches against
+    groups; and each provider (`{"rollout.score": ..., "rollout.hint": ...,
+    "rollout.val_score": ...}`) against the problems it will judge.
 
     Returns:
         The engine's context length and where it comes from, or None (unknown, or a data module
@@ -85,8 +87,10 @@ def check_inputs(
     models = {name: getattr(pl_module, name, None) for name in ("policy", "teacher")}
     check_vocabulary(dm.tokenizer, models)
     context = context_length(engine, getattr(pl_module, "policy_path", None))
+    prompts = list(dm.labelled_prompts())
+    check_episode_room(prompts, max_episode_tokens)
     if context is not None:
-        check_prompt_lengths(dm.labelled_prompts(), sampling.max_tokens, context)
+        check_prompt_lengths(prompts, sampling.max_tokens, context)
     return context
 
 

@@ -181,32 +181,34 @@ def run_episodes(
     for turn in range(max_turns):
         seed = None if sampling.seed is None else sampling.seed + turn * stride
         if turn == 0:  # G samples of each problem's opening: a single-turn rollout's call
-            asked = [(i, None) for i, ids in enumerate(openings) if ids is not None]
-            alive = [[ep for ep in episodes[i] if ep.alive] for i, _ in asked]
-            budget = min(
-                (
-                    _budget(ep, sampling, max_episode_tokens, context_length)
-                    for g in alive
-                    for ep in g
-                ),
-                default=0,
-            )
-            if not asked:
-                break
-            outs = generate(
-                [openings[i] for i, _ in asked],
-                G,
-                replace(sampling, seed=seed, max_tokens=max(budget, 1)),
-            )
+            # Openings differ in length: problems are bucketed by the room each has left (one
+            # call when all have the same, as a single-turn rollout), never cut to the batch's
+            # shortest; a problem with no room fails its episodes.
+            rooms: dict[int, list[int]] = {}
+            for i, ids in enumerate(openings):
+                group = [ep for ep in episodes[i] if ep.alive]
+                if ids is None or not group:
+                    continue
+                left = _budget(group[0], sampling, max_episode_tokens, context_length)
+                if left < 1:
+                    for ep in group:
+                        ep.fail(_no_room(len(ids), max_episode_tokens, context_length))
+                    continue
+                rooms.setdefault(left, []).append(i)
             results = []
-            for (i, _), group in zip(asked, outs, strict=True):
-                for ep, c in zip(episodes[i], group, strict=True):
-                    if ep.alive:
-                        results.append((ep, c))
-            if budget < 1:
-                for ep, _ in results:
-                    ep.status = "truncated"
-                break
+            offset = 0
+            for left, asked in sorted(rooms.items()):
+                call_seed = None if seed is None else seed + offset
+                offset += len(asked) * G
+                outs = generate(
+                    [openings[i] for i in asked],
+                    G,
+                    replace(sampling, seed=call_seed, max_tokens=left),
+                )
+                for i, group in zip(asked, outs, strict=True):
+                    results.extend(
+                        (ep, c) for ep, c in zip(episodes[i], group, strict=True) if ep.alive
+                    )
         else:
             running = [ep for group in episodes for ep in group if ep.alive]
             if not running:
@@ -243,6 +245,15 @@ def _budget(
         if limit is not None:
             left = min(left, limit - len(ep.ids))
     return left
+
+
+def _no_room(n: int, max_episode_tokens: int | None, context: int | None) -> str:
+    limits = [
+        f"{name} {limit}"
+        for name, limit in (("max_episode_tokens", max_episode_tokens), ("context", context))
+        if limit is not None and n >= limit
+    ]
+    return f"its opening has {n} tokens: no room for a reply within {' and '.join(limits)}"
 
 
 def _advance(ep: Episode, c: Completion, tokenizer: Any, timeout: float | None, last: bool) -> None:

@@ -7,6 +7,8 @@ refusal of a prompt after the engine started, a minibatch split that cannot be m
 - a prompt that leaves no room for `max_tokens` in the engine's context (`check_prompt_lengths`,
   with the context from `context_length`): every line of a prompt file at setup, naming file and
   line; a task's prompts at setup (the first batch) and before each batch is generated;
+- a prompt that leaves no room for a reply in `max_episode_tokens` (`check_episode_room`), at
+  the same places;
 - more minibatches than groups per rollout batch (`check_minibatches`);
 - Lightning's automatic-optimisation options on a manually optimised module
   (`check_trainer_options`), which Lightning refuses with a traceback that names no option of
@@ -98,6 +100,24 @@ def check_prompt_lengths(
             f"prompt {where} has {n} tokens: with max_tokens {max_tokens} it needs {n + max_tokens}"
             f" positions, more than the engine's context of {limit} ({source}){more}; shorten the "
             "prompt or lower sampling.max_tokens"
+        )
+
+
+def check_episode_room(
+    prompts: Iterable[tuple[str, list[int]]], max_episode_tokens: int | None
+) -> None:
+    """ConfigError naming the first prompt (and how many more) with no room left for a reply
+    within `max_episode_tokens` (the whole episode's tokens, prompt included)."""
+    if max_episode_tokens is None:
+        return
+    full = [(where, len(ids)) for where, ids in prompts if len(ids) >= max_episode_tokens]
+    if full:
+        where, n = full[0]
+        more = f" (and {len(full) - 1} more prompts)" if len(full) > 1 else ""
+        raise ConfigError(
+            f"prompt {where} has {n} tokens, no room for a reply within "
+            f"rollout.max_episode_tokens={max_episode_tokens}{more}; raise max_episode_tokens "
+            "above the longest prompt or shorten the prompt"
         )
 
 
