@@ -396,3 +396,27 @@ def test_a_turn_score_rewards_each_turn_with_a_next_state_as_its_own_sample():
         1.0,
         1.0,
     ]
+
+
+def test_with_a_turn_score_an_episode_cut_at_max_turns_keeps_its_outcome_on_the_last_turn():
+    """An episode that only calls tools until max_turns: its turns before the last get the turn
+    score, the last the outcome (0: "CALL good" is no answer), never +1 like a solved task."""
+    eps = run_episodes(
+        scripted([["5"], ["CALL good"]]),
+        [PROBLEM],
+        [render_ids(TOK, PROBLEM["messages"], True)],
+        lambda p: ToolEnv(),
+        TOK,
+        SAMPLING,
+        2,
+        max_turns=2,
+    )
+    solved, looping = eps[0]
+    assert solved.status == "done" and looping.status == "max_turns"
+    assert looping.turns[-1].has_next_state
+    rb, _, _ = build_rollout(
+        _batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1, turn_score=_TurnScore()
+    )
+    assert rb.rewards.tolist() == [1.0, 1.0, 0.0]  # solved; looping's call, then its outcome
+    ids = rb.episode_ids.tolist()
+    assert ids[2] != ids[1] and ids[2] == 1  # the last turn is the episode's own sample

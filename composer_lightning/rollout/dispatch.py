@@ -121,7 +121,9 @@ def build_rollout(
       with the hint spliced in, so OPD and SDPO act on turn t's tokens.
     - With `turn_score` (e.g. `NextStateJudgeScore`, OpenClaw-RL's PRM on `(a_t, s_{t+1})`),
       a turn with a next state is rewarded by it instead, as a sample of its own in its
-      group's baseline (its own `episode_ids` entry); the final turn keeps the outcome.
+      group's baseline (its own `episode_ids` entry); the final turn keeps the outcome, also
+      when it has a next state (an episode cut at `max_turns`), so an episode that only calls
+      tools until `max_turns` never ties with one that solved the task.
     - The four-way dispatch is per turn: a turn with neither a reward nor a hint is dropped.
     A failed episode (an environment error) is dropped whole and counted.
 
@@ -173,7 +175,12 @@ def build_rollout(
     row_rewards = [rewards[e] for e, _ in turns]
     own = [False] * len(turns)  # rewarded as a sample of its own
     if turn_score is not None:
-        scored = [k for k, (e, t) in enumerate(turns) if live[e][1].turns[t].has_next_state]
+        scored = [  # every turn with a next state but the episode's last: that keeps the
+            # outcome (an episode cut at max_turns ends on a next state, too)
+            k
+            for k, (e, t) in enumerate(turns)
+            if live[e][1].turns[t].has_next_state and t < len(live[e][1].turns) - 1
+        ]
         values, turn_failures = provider_values(
             turn_score,
             "score",
