@@ -3,6 +3,8 @@ validates on held-out episodes, and resumes exactly; unsupported combinations ar
 
 from __future__ import annotations
 
+import itertools
+
 import lightning as L
 import pytest
 import torch
@@ -93,3 +95,31 @@ def test_multi_turn_with_generation_ahead_is_one_configuration_error():
         ConfigError, match="max_turns=3 runs each episode's turns from this process"
     ):
         trainer.fit(_module(), _data())
+
+
+class _Recording(HFEngine):
+    """An HF engine that records each sampled call's seed range `[seed, seed + prompts * n)`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ranges = []
+
+    def generate(self, prompts, n, sampling):
+        if sampling.temperature > 0 and prompts:
+            self.ranges.append((sampling.seed, sampling.seed + len(prompts) * n))
+        return super().generate(prompts, n, sampling)
+
+
+def test_held_out_episodes_never_reuse_a_seed_across_batches_or_turns():
+    """Each held-out batch reserves a seed range per turn: batch b's turn 1 does not sample
+    with batch b + 1's turn 0 seeds."""
+    cb = _callback()
+    cb.engine = _Recording(model_path=POLICY, seed=0)
+    trainer = quiet_trainer(callbacks=[cb])
+    trainer.validate(
+        _module(), RolloutDataModule(task="tool_calc", prompts_per_step=2, val_prompts=6)
+    )
+    ranges = sorted(cb.engine.ranges)
+    assert len(ranges) > 3  # three held-out batches, some of them with later turns
+    for (_, end), (start, _) in itertools.pairwise(ranges):
+        assert start >= end, ranges

@@ -317,7 +317,8 @@ class RolloutCallback(L.Callback):
         sampling = self._sampling(tokenizer)
         engine = self._ahead.engine or self.engine
         tp, prompts = engine.tensor_parallel_size, len(batch["prompt_ids"])
-        seed = heldout_seed(self._base_seed, batch_idx, prompts, tp, self.val_samples)
+        turns = self.episodes.max_turns  # each turn of an episode samples a range of its own
+        seed = heldout_seed(self._base_seed, batch_idx, prompts, tp, self.val_samples, turns)
 
         def generate(prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list:
             return generate_in_group(engine, prompts, n, sampling, self._tp_group)

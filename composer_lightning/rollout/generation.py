@@ -87,8 +87,13 @@ def tensor_parallel_group(world_size: int, rank: int, tp: int) -> Any:
     return mine
 
 
-def heldout_seed(base_seed: int, batch_idx: int, prompts: int, tp: int, samples: int) -> int:
-    """The seed of held-out batch `batch_idx` (`prompts` on this rank): the training seeds'
-    scheme, shifted, so that any tensor parallelism samples alike."""
+def heldout_seed(
+    base_seed: int, batch_idx: int, prompts: int, tp: int, samples: int, turns: int = 1
+) -> int:
+    """The seed of held-out batch `batch_idx` (`prompts` on this rank, episodes of up to
+    `turns` turns, each turn a seed range of its own): the training seeds' scheme, shifted, so
+    that any tensor parallelism samples alike."""
     rank, size = world()
-    return sampling_seed(base_seed + 10**9, batch_idx, rank, size, tp, prompts * tp, samples)
+    return sampling_seed(
+        base_seed + 10**9, batch_idx, rank, size, tp, prompts * tp * turns, samples
+    )
