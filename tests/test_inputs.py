@@ -33,6 +33,7 @@ def _fit(module, dm, steps=1, **rollout):
     )
     try:
         trainer.fit(module, dm)
+        return trainer
     except Exception as exc:
         exc.engine_started = engine.model is not None
         raise
@@ -168,3 +169,44 @@ def test_a_base_model_prompt_too_long_is_the_same_one_line(tmp_path):
         _fit(ComposerModule(base, [DrGRPOHead()]), dm)
     assert not err.value.engine_started
     assert str(err.value).startswith(f"prompt {path}:2 has 252 tokens: with max_tokens 6")
+
+
+class NamedRows(Task):
+    """A user's task whose rows name it by its short `name`, as the built-in tasks' rows do."""
+
+    name = "named_rows"
+    row_name = "named_rows"
+
+    def sample(self, rng: random.Random) -> dict:
+        return {"task": self.row_name, "prompt": "1 + 1 =", "answer": 2}
+
+    def verify(self, problem: dict, completion: str) -> Verdict:
+        return Verdict(1.0)
+
+
+class BuiltinNamedRows(NamedRows):
+    name = "builtin_named_rows"
+    row_name = "arithmetic"  # a built-in task's name: would be scored by that task
+
+
+def test_a_user_task_whose_rows_say_its_name_trains():
+    dm = RolloutDataModule(
+        tokenizer=POLICY, task=f"{__name__}.NamedRows", prompts_per_step=2, val_fraction=0
+    )
+    trainer = _fit(ComposerModule(POLICY, [DrGRPOHead()]), dm)
+    assert trainer.callback_metrics["rollout/reward_mean"] == 1.0  # every row scored by it
+
+
+def test_a_user_task_whose_rows_name_another_task_is_one_line_at_setup():
+    dm = RolloutDataModule(
+        tokenizer=POLICY, task=f"{__name__}.BuiltinNamedRows", prompts_per_step=2, val_fraction=0
+    )
+    with pytest.raises(ConfigError) as err:
+        _fit(ComposerModule(POLICY, [DrGRPOHead()]), dm)
+    assert not err.value.engine_started
+    assert str(err.value) == (
+        f"data.task '{__name__}.BuiltinNamedRows' writes rows with \"task\": 'arithmetic', "
+        "which does not name it (that is composer_lightning.tasks.arithmetic.Arithmetic); "
+        f"write \"task\": '{__name__}.BuiltinNamedRows' in its rows, or a name no built-in "
+        "task has"
+    )

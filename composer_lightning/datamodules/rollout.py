@@ -229,9 +229,17 @@ class RolloutDataModule(L.LightningDataModule):
             for where, problem in self._file_lines:
                 yield where, self.prompt_ids(problem)
             return
-        batch = self.prompt_batch(self.consumed)
+        batch = self.setup_batch()
         for j, ids in enumerate(batch["prompt_ids"]):
             yield f"{j} of rollout batch {batch['index']} (task {self.task_name})", ids
+
+    def setup_batch(self) -> dict[str, Any]:
+        """The next prompt batch, drawn once for the checks before training (the prompts'
+        lengths, the rows' task): a task may draw differently on a second call."""
+        cached = getattr(self, "_setup_batch", None)
+        if cached is None or cached["index"] != self.consumed:
+            cached = self._setup_batch = self.prompt_batch(self.consumed)
+        return cached
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The engine's prompt ids of `problem`, left-truncated to `max_prompt_length`."""

@@ -27,6 +27,7 @@ from composer_lightning.runtime.inputs import (
 )
 from composer_lightning.runtime.resume import line as resume_line
 from composer_lightning.runtime.resume import same
+from composer_lightning.tasks.registry import task_class
 
 
 def follow_the_sampling_temperature(pl_module: L.LightningModule, sampling: SamplingConfig) -> None:
@@ -97,9 +98,9 @@ def check_inputs(
 def check_providers(dm: Any, providers: dict[str, Any]) -> None:
     """One line when a provider cannot judge the problems it will see: the score and hint
     providers on the rows of a prompt file or dataset, the validation score on its held-out
-    rows. A task's problems name their task by contract: nothing to check (and nothing is
-    drawn from the task here)."""
+    rows. A task's own rows must name a task that resolves to it (`check_task_rows`)."""
     if getattr(dm, "file_problems", None) is None:
+        check_task_rows(dm)
         return
     problems = [dm.with_task(p) for p in dm.file_problems]
     held_out = dm.validation_problems()
@@ -113,6 +114,31 @@ def check_providers(dm: Any, providers: dict[str, Any]) -> None:
                 f"{'held-out' if key.endswith('val_score') else 'training'} problems: "
                 f"{problem}; give the data a task (data.task), the provider a task, or "
                 "another provider"
+            )
+
+
+def check_task_rows(dm: Any) -> None:
+    """One line when the data's task writes rows whose `"task"` does not resolve to that task
+    (an unknown name, or a built-in task's name on a task of one's own), instead of every score
+    call of the run failing: checked on the first batch's rows."""
+    task = getattr(dm, "task", None)
+    if task is None or not callable(getattr(dm, "setup_batch", None)):
+        return
+    for problem in dm.setup_batch()["problems"]:
+        name = problem.get("task")
+        if name is None or name == dm.task_name:
+            continue
+        try:
+            named = task_class(name)
+        except ValueError as err:
+            named, why = None, str(err)
+        else:
+            why = f"that is {named.__module__}.{named.__qualname__}"
+        if named is not type(task):
+            raise ConfigError(
+                f'data.task {dm.task_name!r} writes rows with "task": {name!r}, which does '
+                f'not name it ({why}); write "task": {dm.task_name!r} in its rows, or a '
+                "name no built-in task has"
             )
 
 
