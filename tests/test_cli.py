@@ -107,10 +107,17 @@ def test_unknown_head_class_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize(
     "config", sorted(glob.glob(str(ROOT / "configs" / "*.yaml"))), ids=lambda p: Path(p).name
 )
-def test_every_config_parses(config):
+def test_every_config_parses_and_its_saved_form_parses_to_the_same(config, tmp_path):
+    """`--print_config` writes what a run saves as its `config.yaml` (the parser's dump); that
+    file, given back, parses to the same configuration."""
     out = run_cli("fit", "--config", config, "--print_config")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "class_path: composer_lightning" in out.stdout
+    saved = tmp_path / "config.yaml"
+    saved.write_text(out.stdout)
+    again = run_cli("fit", "--config", str(saved), "--print_config")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout == out.stdout
 
 
 def test_synthetic_demo_config_trains(tmp_path):

@@ -57,8 +57,9 @@ def _fit(tmp_path, config: str, policy: str, pythonpath: str | None = None, **en
             "--config",
             config,
             f"--model.policy={policy}",
-            "--trainer.fast_dev_run=2",
-            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            f"--trainer.default_root_dir={tmp_path / 'run'}",
             pythonpath=pythonpath,
         )
     finally:
@@ -92,6 +93,19 @@ def test_gsm8k_parquet_with_trl_reward_functions_trains_through_the_cli(tmp_path
     assert len(calls) >= 2  # one batched call per rollout batch (and validation)
     assert calls[0]["n"] == calls[0]["ids"] == 4 and "#### " in calls[0]["solution"]
     assert calls[0]["kwargs"] == ["log_extra", "log_metric", "trainer_state"]  # as TRL 1.16
+    # the run's saved config, reward functions included, runs again as it is
+    saved = tmp_path / "run" / "config.yaml"
+    assert "my_rewards.format_reward" in saved.read_text()
+    again = run_cli(
+        "validate",
+        "--config",
+        str(saved),
+        "--trainer.limit_val_batches=1",
+        pythonpath=str(tmp_path),
+        env={"SEEN_KWARGS": str(seen), "HF_HOME": str(tmp_path / "hf")},
+    )
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "val/accuracy" in again.stdout
 
 
 def test_a_base_model_without_a_chat_template_trains_with_hints(tmp_path):

@@ -121,7 +121,7 @@ class FunctionScore(ScoreProvider):
 
     def __init__(
         self,
-        fn: Callable[..., Any] | list[Callable[..., Any]],
+        fn: list[Callable[..., Any]] | Callable[..., Any],  # list first: jsonargparse dumps it
         clip: tuple[float, float] | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
         *,
