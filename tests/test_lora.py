@@ -196,6 +196,25 @@ def test_export_writes_the_merged_model_or_the_adapter(lora_fit, tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
 
 
+def test_an_adapter_trained_from_a_pinned_hub_id_names_its_base_as_peft_reads_it(
+    lora_fit, tmp_path
+):
+    """`org/name@v1.0` goes to adapter_config.json as the id and the revision, which peft
+    passes on to the hub; a local directory is written as it is."""
+    import json
+
+    ckpt = lora_fit[3]
+    state = torch.load(ckpt, weights_only=False)
+    for spec, name, revision in (("org/tiny@v1.0", "org/tiny", "v1.0"), (POLICY, POLICY, None)):
+        state["hyper_parameters"]["policy"] = spec
+        pinned = tmp_path / "pinned.ckpt"
+        torch.save(state, pinned)
+        out = tmp_path / f"adapter-{revision}"
+        export(str(pinned), str(out), adapter=True)
+        config = json.loads((out / "adapter_config.json").read_text())
+        assert (config["base_model_name_or_path"], config["revision"]) == (name, revision)
+
+
 def _resume_run(tmp_path, steps, ckpt_path=None) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)  # peft draws A's initial values from the global RNG
     module = ComposerModule(

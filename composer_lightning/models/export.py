@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from composer_lightning.models.hub import looks_like_hub_id, split_revision
 from composer_lightning.models.stored import (
     checkpoint_meta,
     stored_model_files,
@@ -136,7 +137,9 @@ def export(
     if lora:
         spec = (meta.get("hyper_parameters") or {}).get("policy")
         if isinstance(spec, str):  # the hub id or directory trained from, not a temporary copy
-            lora = dict(lora, base_model_name_or_path=spec)
+            # peft reads a pinned hub id as `base_model_name_or_path` + `revision`
+            name, revision = split_revision(spec) if looks_like_hub_id(spec) else (spec, None)
+            lora = dict(lora, base_model_name_or_path=name, revision=revision)
         weights = _from_lora(weights, lora, files, out if adapter else None, dtype)
         if adapter:
             return sorted(os.listdir(out))
