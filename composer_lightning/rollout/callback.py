@@ -48,6 +48,7 @@ from composer_lightning.rollout.generation import (
     sampling_seed,
     tensor_parallel_group,
 )
+from composer_lightning.rollout.providers import share_trainer_state
 from composer_lightning.rollout.validation import evaluate
 from composer_lightning.runtime.calls import check_timeout
 from composer_lightning.runtime.distributed import (
@@ -330,6 +331,7 @@ class RolloutCallback(L.Callback):
             def episodes(prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list:
                 return self.episodes.run(generate, dm, batch["problems"], prompts, n, sampling)
 
+        share_trainer_state([self.val_score], trainer)
         batch["val"] = evaluate(
             generate,
             self.val_score,
@@ -419,6 +421,7 @@ class RolloutCallback(L.Callback):
                 )
         compared = check_fingerprint(self._fingerprints.get(version), engine_print, version)
         metrics.max("rollout/fingerprint_params", compared)
+        share_trainer_state([self.score, self.hint, self.turn_score], trainer)
         rollout, built, self._samples = build_rollout(
             batch,
             episodes,

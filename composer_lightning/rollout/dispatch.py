@@ -21,7 +21,7 @@ from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.episodes import Episode, Turn
 from composer_lightning.rollout.packing import pack_samples
-from composer_lightning.rollout.providers import provider_values
+from composer_lightning.rollout.providers import provider_logs, provider_values
 from composer_lightning.runtime.calls import hint_candidates
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
@@ -160,6 +160,8 @@ def build_rollout(
         [list(t.completion.token_ids) for t in finals],
     )
     ScoringError.raise_if_all_failed(outcome, failures)
+    logged, extra = provider_logs(score)  # its reward functions' metrics and columns
+    extras = {ask[j]: {c: v[j] for c, v in extra.items() if j < len(v)} for j in range(len(ask))}
     rewards: list[float | None] = [ep.reward for _, ep in live]
     for k, value in zip(ask, outcome, strict=True):
         rewards[k] = value
@@ -191,6 +193,8 @@ def build_rollout(
         failures += turn_failures
         for k, value in zip(scored, values, strict=True):
             row_rewards[k], own[k] = value, True
+        turn_logged, _ = provider_logs(turn_score)
+        logged |= {f"turn_{name}": value for name, value in turn_logged.items()}
     hints, hint_failures = (
         provider_values(hint, "hint", hint_problems, hint_texts)
         if hint is not None
@@ -243,6 +247,7 @@ def build_rollout(
     by_turn = {turns[k]: (row_rewards[k], hints[k]) for k in range(len(turns))}
     rows = [
         _row(ep, rewards[n], [by_turn[(n, t)] for t in range(len(ep.turns))])
+        | ({"extra": extras[n]} if extras.get(n) else {})
         for n, ep in _first_of_groups(live)
     ][:samples_per_step]
     for kind, count in (("score", failures), ("hint", hint_failures)):
@@ -288,6 +293,8 @@ def build_rollout(
         float(getattr(score, "truncated", 0) + getattr(hint, "truncated", 0)),
     )
     metrics.sum("rollout/tokens", float(sum(lengths)))
+    for name, (value, weight) in logged.items():
+        metrics.mean(name, value, weight=weight)
     if any(len(ep.turns) > 1 or ep.tools for _, ep in flat):  # episodes of several turns
         E = float(len(flat))
         metrics.mean("episode/turns", sum(len(ep.turns) for _, ep in flat) / E, weight=E)

@@ -86,6 +86,29 @@ def provider_values(
     return out, min(failed, n)
 
 
+def provider_logs(provider: Any) -> tuple[dict[str, tuple[float, float]], dict[str, list[Any]]]:
+    """What a provider logged since it was last asked (`FunctionScore`'s per-function rewards,
+    its reward functions' `log_metric` and `log_extra`): metrics as `(mean, weight)`, extra
+    columns one value per sample scored. Empty for a provider that logs nothing."""
+    pop_metrics = getattr(provider, "pop_metrics", None)
+    pop_extra = getattr(provider, "pop_extra", None)
+    return (
+        pop_metrics() if callable(pop_metrics) else {},
+        pop_extra() if callable(pop_extra) else {},
+    )
+
+
+def share_trainer_state(providers: list[Any], trainer: Any) -> None:
+    """Give each provider that reads it (`trainer_state`, TRL's reward-function argument) the
+    trainer's step, epoch and `max_steps`, before it scores a batch."""
+    for provider in providers:
+        state = getattr(provider, "trainer_state", None)
+        if state is not None:
+            state.global_step = int(trainer.global_step)
+            state.epoch = float(trainer.current_epoch)
+            state.max_steps = int(trainer.max_steps)
+
+
 def _takes(fn: Any, name: str) -> bool:
     try:
         return name in inspect.signature(fn).parameters

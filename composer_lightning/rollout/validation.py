@@ -28,7 +28,7 @@ from typing import Any
 from composer_lightning.chat import problem_messages
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.rollout.episodes import Episode, one_turn_episodes
-from composer_lightning.rollout.providers import provider_values
+from composer_lightning.rollout.providers import provider_logs, provider_values
 from composer_lightning.tasks.base import Problem, ScoreProvider
 
 
@@ -77,6 +77,8 @@ def evaluate(
         lambda ids, n, s: one_turn_episodes(problems, ids, generate(ids, n, s), tokenizer)
     )
 
+    logged: dict[str, tuple[float, float]] = {}  # the score's own metrics: (sum, weight)
+
     def scores(groups: list[list[Episode]]) -> list[list[float | None]]:
         flat = [ep for group in groups for ep in group]
         ask = [k for k, ep in enumerate(flat) if ep.reward is None and ep.status != "failed"]
@@ -87,6 +89,10 @@ def evaluate(
             [flat[k].turns[-1].text for k in ask],
             [list(flat[k].turns[-1].completion.token_ids) for k in ask],
         )
+        for name, (value, weight) in provider_logs(score)[0].items():  # its functions' logs
+            if weight:
+                total, count = logged.get(name, (0.0, 0.0))
+                logged[name] = (total + value * weight, count + weight)
         out: list[float | None] = [None if ep.status == "failed" else ep.reward for ep in flat]
         for k, v in zip(ask, values, strict=True):
             out[k] = v
@@ -102,7 +108,7 @@ def evaluate(
     rewards = [v for group in sampled for v in group if v is not None]
     lengths = [sum(len(t.completion.token_ids) for t in ep.turns) for g in groups for ep in g]
     n = float(len(prompts))
-    return {
+    return {name: (total / count, count) for name, (total, count) in logged.items()} | {
         "accuracy": (sum(solved(g[0]) for g in greedy) / n, n),
         f"pass@{k}": (sum(any(solved(v) for v in g) for g in sampled) / n, n),
         "reward_mean": (sum(rewards) / len(rewards) if rewards else 0.0, float(len(rewards))),

@@ -9,8 +9,15 @@ Two forms of reward function:
   its `"messages"`), `completions` (strings; for a chat prompt, `[{"role": "assistant",
   "content": text}]` each, as TRL gives them), `completion_ids` (token ids, in training and
   validation alike; None where a caller has none), every other field of the problems by name (dataset
-  columns such as `answer` or `solution`, one value per completion), `trainer_state=None`
-  (the provider does not see the trainer) and no-op `log_extra` / `log_metric`.
+  columns such as `answer` or `solution`, one value per completion), `trainer_state` (a
+  `TrainerState`: `global_step`, `epoch`, `max_steps`, as TRL passes transformers' state, set
+  by the rollout callback before each batch), `log_metric(name, value)` (the step logs the
+  mean of a name's values) and `log_extra(column, values)` (one value per completion, shown
+  in `rollouts.jsonl`'s rows). An `async def` function is awaited; the batch's async functions
+  run concurrently (`asyncio.gather`, as TRL 1.16), under one `timeout` for all of them.
+
+Each function's scores of a batch are logged as `rewards/<function name>/mean` and `/std`
+(over the samples it scored, as TRL logs them).
 
 `batched=None` tells the forms apart by the signature: a function with a parameter named
 `prompts` or `completions` is batched (TRL's names), any other is per sample; `batched=True` /
@@ -27,13 +34,23 @@ failed on it (a partial sum would change the reward's scale without a word).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from composer_lightning.runtime.calls import as_reward, call_batch, call_each, check_timeout
+from composer_lightning.runtime.calls import (
+    CallTimeout,
+    as_reward,
+    call_batch,
+    call_each,
+    call_with_timeout,
+    check_timeout,
+)
 from composer_lightning.tasks.base import DEFAULT_TIMEOUT, Problem, ScoreProvider
 
 logger = logging.getLogger(__name__)
@@ -69,8 +86,23 @@ def weighted_rewards(
     return out
 
 
+@dataclass
+class TrainerState:
+    """What a reward function reads of TRL's `trainer_state` (transformers' `TrainerState`):
+    the optimizer steps done, the epoch, the run's `max_steps` (-1: no limit)."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = -1
+
+
 def trl_inputs(
-    problems: Sequence[Problem], completions: Sequence[str], completion_ids: Sequence[Any] | None
+    problems: Sequence[Problem],
+    completions: Sequence[str],
+    completion_ids: Sequence[Any] | None,
+    trainer_state: TrainerState | None = None,
+    log_metric: Callable[[str, float], None] | None = None,
+    log_extra: Callable[[str, list[Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of a batched (TRL) reward function for one batch (see above)."""
     prompts = [p["prompt"] if "prompt" in p else p.get("messages") for p in problems]
@@ -84,8 +116,9 @@ def trl_inputs(
     }
     columns = dict.fromkeys(k for p in problems for k in p if k not in _NOT_COLUMNS)
     out.update({k: [p.get(k) for p in problems] for k in columns})
-    out["trainer_state"] = None
-    out["log_extra"] = out["log_metric"] = _ignore  # TRL logs through these; here they are no-ops
+    out["trainer_state"] = trainer_state if trainer_state is not None else TrainerState()
+    out["log_metric"] = log_metric or _ignore
+    out["log_extra"] = log_extra or _ignore
     return out
 
 
@@ -144,9 +177,49 @@ class FunctionScore(ScoreProvider):
                 f"reward function), got {reward_weights!r}"
             )
         self.fns, self.reward_weights, self.clip = fns, [float(w) for w in weights], clip
-        self.batched = [takes_batches(f) if batched is None else bool(batched) for f in fns]
+        self.batched = [
+            takes_batches(f) or inspect.iscoroutinefunction(f) if batched is None else bool(batched)
+            for f in fns
+        ]
+        for f, b in zip(fns, self.batched, strict=True):
+            if inspect.iscoroutinefunction(f) and not b:
+                raise ValueError(
+                    f"FunctionScore: async reward function {_name(f)} must be batched (TRL's "
+                    "form, fn(prompts, completions, **kwargs)); per sample it would be awaited "
+                    "one completion at a time"
+                )
         self.timeout = check_timeout(timeout, "FunctionScore")
         self.failures = 0
+        self.trainer_state = TrainerState()  # the rollout callback keeps it current
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._extra: dict[str, list[Any]] = defaultdict(list)
+
+    def pop_metrics(self) -> dict[str, tuple[float, float]]:
+        """What was logged since the last call, each as `(mean, weight)`: every function's
+        `rewards/<name>/mean` and `/std` over the samples it scored (weight: their number),
+        and each `log_metric` name's mean over its calls (weight: the calls)."""
+        out = {}
+        for name, values in self._metrics.items():
+            if name.startswith("rewards/"):
+                mean = sum(values) / len(values)
+                std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+                out[f"{name}/mean"], out[f"{name}/std"] = (mean, len(values)), (std, len(values))
+            else:
+                out[name] = (sum(values) / len(values), float(len(values)))
+        self._metrics.clear()
+        return out
+
+    def pop_extra(self) -> dict[str, list[Any]]:
+        """The `log_extra` columns since the last call (one value per completion scored)."""
+        out = dict(self._extra)
+        self._extra.clear()
+        return out
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self._metrics[str(name)].append(float(value))
+
+    def _log_extra(self, column: str, values: list[Any]) -> None:
+        self._extra[str(column)].extend(values)
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -164,16 +237,23 @@ class FunctionScore(ScoreProvider):
         n = len(problems)
         failed = [False] * n
         values: list[list[float | None]] = []
+        inputs = trl_inputs(
+            problems,
+            completions,
+            completion_ids,
+            self.trainer_state,
+            self._log_metric,
+            self._log_extra,
+        )
+        awaited = self._await_all(inputs, n)
         for fn, batched in zip(self.fns, self.batched, strict=True):
-            subject = "reward function" + (
-                f" {getattr(fn, '__name__', type(fn).__name__)}" if len(self.fns) > 1 else ""
-            )
+            subject = "reward function" + (f" {_name(fn)}" if len(self.fns) > 1 else "")
             if batched:
                 raw = call_batch(
-                    fn,
-                    trl_inputs(problems, completions, completion_ids),
+                    awaited[id(fn)] if id(fn) in awaited else fn,
+                    {} if id(fn) in awaited else inputs,
                     n,
-                    self.timeout,
+                    None if id(fn) in awaited else self.timeout,
                     subject,
                     "no sample of it gets a score",
                 )
@@ -202,6 +282,9 @@ class FunctionScore(ScoreProvider):
                 )
             failed = [f or b is None for f, b in zip(failed, boxed, strict=True)]
             values.append([None if b is None else b[0] for b in boxed])
+            scored = [b[0] for b in boxed if b is not None and b[0] is not None]
+            if scored:
+                self._metrics[f"rewards/{_name(fn)}"].extend(scored)
         scores = [
             None if bad else s
             for bad, s in zip(failed, weighted_rewards(values, self.reward_weights), strict=True)
@@ -218,3 +301,38 @@ class FunctionScore(ScoreProvider):
             return scores
         low, high = self.clip
         return [None if v is None else min(high, max(low, v)) for v in scores]
+
+    def _await_all(self, inputs: dict[str, Any], n: int) -> dict[int, Callable[[], Any]]:
+        """Await the batch's async functions together (TRL's `asyncio.gather`), under one
+        timeout for all; per function (by id), a call that returns its result or raises its
+        error, for `call_batch` to check as it checks a plain function's call."""
+        coroutines = [f for f in self.fns if inspect.iscoroutinefunction(f)]
+        if not coroutines:
+            return {}
+
+        def gather() -> list[Any]:
+            async def run() -> list[Any]:
+                calls = (f(**inputs) for f in coroutines)
+                return await asyncio.gather(*calls, return_exceptions=True)
+
+            return asyncio.run(run())
+
+        try:
+            results = call_with_timeout(gather, (), self.timeout)
+        except CallTimeout:
+            why = f"not done after {self.timeout:g} s (the batch's async functions together)"
+            results = [TimeoutError(why)] * len(coroutines)
+        return {id(f): _replay(r) for f, r in zip(coroutines, results, strict=True)}
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _replay(result: Any) -> Callable[[], Any]:
+    def call() -> Any:
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return call

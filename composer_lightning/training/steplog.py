@@ -37,7 +37,7 @@ def log_validation(module: L.LightningModule, figures: dict[str, tuple[float, fl
     if not hasattr(module, "val_metrics"):
         raise TypeError("log_validation needs the module's `val_metrics` ModuleDict")
     for name, (value, weight) in figures.items():
-        key = name.replace("@", "_at_")  # a ModuleDict key
+        key = name.replace("@", "_at_").replace(".", "_")  # a ModuleDict key
         if key not in module.val_metrics:
             module.val_metrics[key] = MeanMetric().to(module.device)
         module.val_metrics[key].update(value, weight=weight)

@@ -11,7 +11,12 @@ import torch
 
 from composer_lightning.rollout.providers import provider_values
 from composer_lightning.tasks import FunctionScore
-from composer_lightning.tasks.rewards import takes_batches, trl_inputs, weighted_rewards
+from composer_lightning.tasks.rewards import (
+    TrainerState,
+    takes_batches,
+    trl_inputs,
+    weighted_rewards,
+)
 
 
 def _warnings(caplog) -> list[str]:
@@ -84,7 +89,7 @@ def test_a_batched_function_receives_what_trl_passes():
         "ids": [[7], [8, 9]],
         "answer": ["2", "4"],
         "level": [None, 3],
-        "trainer_state": None,
+        "trainer_state": TrainerState(0, 0.0, -1),
     }
     chat = [{"role": "user", "content": "1+1?"}]
     kwargs = trl_inputs([{"prompt": chat, "solution": "2"}], ["2"], None)
@@ -159,3 +164,100 @@ def test_weights_are_one_finite_number_per_function():
             FunctionScore([len, len], reward_weights=weights)
     with pytest.raises(ValueError, match="fn must be a callable or a list of them"):
         FunctionScore([])
+
+
+def test_per_function_rewards_and_log_metric_are_means_and_log_extra_columns_as_trl_logs():
+    """`rewards/<name>/mean` and `/std` over the samples a function scored (population std,
+    as `nanstd`... over one batch), `log_metric` values averaged, `log_extra` columns kept."""
+
+    def accuracy(prompts, completions, log_metric, log_extra, **kw):
+        log_metric("exact", 0.25)
+        log_metric("exact", 0.75)
+        log_extra("why", [f"w{c}" for c in completions])
+        return [float(c) for c in completions]
+
+    def fmt(problem, completion):
+        return None if completion == "3" else 1.0
+
+    scorer = FunctionScore([accuracy, fmt])
+    scorer.score([{"prompt": "p"}] * 4, ["0", "1", "2", "3"])
+    metrics = scorer.pop_metrics()
+    values = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float64)
+    assert metrics["rewards/accuracy/mean"] == (1.5, 4)
+    assert metrics["rewards/accuracy/std"][0] == pytest.approx(float(values.std(False)), abs=1e-12)
+    assert metrics["rewards/fmt/mean"] == (1.0, 3) and metrics["rewards/fmt/std"] == (0.0, 3)
+    assert metrics["exact"] == (0.5, 2.0)
+    assert scorer.pop_extra() == {"why": ["w0", "w1", "w2", "w3"]}
+    assert scorer.pop_metrics() == {} and scorer.pop_extra() == {}  # drained
+
+
+def test_async_functions_are_awaited_together_and_fail_alone():
+    """Two async functions overlap (each waits for the other to have started); one that
+    raises fails its samples, not the other's."""
+    import asyncio
+
+    started = []
+
+    async def a(prompts, completions, **kw):
+        started.append("a")
+        while "b" not in started:
+            await asyncio.sleep(0.001)
+        return [1.0] * len(completions)
+
+    async def b(prompts, completions, **kw):
+        started.append("b")
+        while "a" not in started:
+            await asyncio.sleep(0.001)
+        return [2.0] * len(completions)
+
+    assert FunctionScore([a, b], timeout=30).score([{"prompt": "p"}] * 2, ["x", "y"]) == [3.0, 3.0]
+
+    async def broken(prompts, completions, **kw):
+        raise KeyError("solution")
+
+    scorer = FunctionScore([a, broken], reward_weights=[1.0, 1.0])
+    started[:] = ["b"]
+    assert scorer.score([{"prompt": "p"}] * 2, ["x", "y"]) == [None, None]
+    assert scorer.failures == 2
+    with pytest.raises(ValueError, match="async reward function broken must be batched"):
+        FunctionScore(broken, batched=False)
+
+
+def test_the_trainer_state_is_the_trainers_when_reward_functions_read_it():
+    """A curriculum reward reads `trainer_state.global_step` (TRL passes transformers'
+    TrainerState): the rollout callback keeps it current, from step 0."""
+    from composer_lightning.datamodules.rollout import RolloutDataModule
+    from composer_lightning.engines import HFEngine, SamplingConfig
+    from composer_lightning.heads.dr_grpo import DrGRPOHead
+    from composer_lightning.models.tiny import tiny_policy_path
+    from composer_lightning.rollout.callback import RolloutCallback
+    from composer_lightning.training.module import ComposerModule
+    from tests.helpers import quiet_trainer
+
+    seen = []
+
+    def curriculum(prompts, completions, trainer_state, log_metric, log_extra, **kw):
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
+        log_metric("curriculum/level", trainer_state.global_step)
+        log_extra("level", [trainer_state.global_step] * len(completions))
+        return [float(trainer_state.global_step)] * len(completions)
+
+    cb = RolloutCallback(
+        HFEngine(seed=0),
+        group_size=2,
+        sampling=SamplingConfig(max_tokens=4, seed=0),
+        score=FunctionScore(curriculum),
+    )
+    trainer = quiet_trainer(max_steps=3, callbacks=[cb])
+    trainer.fit(
+        ComposerModule(tiny_policy_path(), [DrGRPOHead()]),
+        RolloutDataModule(task="arithmetic", prompts_per_step=2, val_prompts=0),
+    )
+    assert seen == [(0, 3), (1, 3), (2, 3)]
+    assert float(trainer.callback_metrics["curriculum/level"]) == 2.0  # the last step's
+    assert float(trainer.callback_metrics["rewards/curriculum/mean"]) == 2.0
+    assert cb._samples[0]["extra"] == {"level": 2}  # the rows of rollouts.jsonl
+    dm = RolloutDataModule(task="arithmetic", prompts_per_step=2, val_prompts=2)
+    trainer.validate(trainer.lightning_module, dm)
+    assert seen[-1] == (3, 3)
+    assert float(trainer.callback_metrics["val/rewards/curriculum/mean"]) == 3.0
