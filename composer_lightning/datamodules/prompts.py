@@ -86,7 +86,8 @@ def load_prompt_dataset(
 
     Args:
         path: a hub id (`openai/gsm8k`), a local parquet / JSON / JSONL / CSV file (loaded with
-            the builder of its suffix; its one split is `train`), or a local dataset directory.
+            the builder of its suffix; its one split is `train`), a local dataset directory,
+            or (from Python) a `datasets.Dataset` object, or a `DatasetDict` (its `split`).
         name: the dataset's configuration (`main`), if it has several.
         split: the split (`train`, `train[:1000]`).
         task, columns: as for `read_prompt_file`.
@@ -98,6 +99,10 @@ def load_prompt_dataset(
             "RolloutDataModule(dataset=...) needs the `datasets` package: pip install "
             "'composer-lightning[data]'"
         ) from None
+    if not isinstance(path, str):  # a `datasets.Dataset` (or `DatasetDict`) object
+        data = path[split] if hasattr(path, "keys") and split in path.keys() else path
+        label = f"{type(path).__name__} object"
+        return _checked_rows(data, label, task, columns)
     builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
     if os.path.isfile(path) and builder is not None:
         data = datasets.load_dataset(builder, data_files=path, split=split)
@@ -107,13 +112,19 @@ def load_prompt_dataset(
         )
     else:
         data = datasets.load_dataset(path, name, split=split)
+    return _checked_rows(data, f"{path}[{split}]", task, columns)
+
+
+def _checked_rows(
+    data: Any, label: str, task: str | None, columns: dict[str, str] | None
+) -> list[tuple[str, Problem]]:
     check, rows = row_checker(task), []
     for i, raw in enumerate(data):
         row = rename_columns(dict(raw), columns)
         problem = check(row)
         if problem:
-            raise ValueError(f"{path}[{split}] row {i}: {problem}")
-        rows.append((f"{path}[{split}] row {i}", row))
+            raise ValueError(f"{label} row {i}: {problem}")
+        rows.append((f"{label} row {i}", row))
     if not rows:
-        raise ValueError(f"dataset {path!r} split {split!r} has no rows")
+        raise ValueError(f"dataset {label} has no rows")
     return rows

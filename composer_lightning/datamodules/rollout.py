@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.chat import problem_messages, tokenize_prompt
@@ -64,7 +65,8 @@ class RolloutDataModule(L.LightningDataModule):
         task_args: keyword arguments of the task's constructor.
         prompt_file: JSONL prompts (plus any fields the verifier needs); None samples the task.
         dataset: a `datasets` dataset instead: a hub id (`openai/gsm8k`), a local parquet /
-            JSON / CSV file, or a dataset directory (needs the `data` extra).
+            JSON / CSV file, a dataset directory (needs the `data` extra), or from Python a
+            `datasets.Dataset` object (TRL's `train_dataset`).
         dataset_config: the dataset's configuration name (`main` for GSM8K), if any.
         split: the dataset split to train on (`train`, `train[:1000]`).
         columns: renames row fields, source → target (`{question: prompt}`), for either source.
@@ -76,6 +78,14 @@ class RolloutDataModule(L.LightningDataModule):
             problem's chat: the training stream never sees a held-out problem); 0: none.
         val_prompts: size of the validation set (fewer when the held-out space is smaller;
             for a prompt file, its held-out lines); 0: no validation.
+        val_path: a held-out set of one's own (TRL's `eval_dataset`): a JSONL prompt file, a
+            dataset as `dataset` takes it (a hub id's `val_split`), or a `Dataset` object. Its
+            first `val_prompts` rows are the held-out set and nothing of the training data is
+            held out (`val_fraction` is not used). None: split the training data.
+        val_split: the split of a hub dataset or dataset directory `val_path` names.
+
+    A split of a prompt file or dataset says in one line how many rows it holds out and how
+    many of those the held-out set uses.
     """
 
     def __init__(
@@ -93,6 +103,8 @@ class RolloutDataModule(L.LightningDataModule):
         split: str = "train",
         columns: dict[str, str] | None = None,
         max_prompt_length: int | None = None,
+        val_path: str | None = None,
+        val_split: str = "test",
     ):
         super().__init__()
         if task is None and prompt_file is None and dataset is None:
@@ -122,15 +134,29 @@ class RolloutDataModule(L.LightningDataModule):
         if val_prompts < 0:
             raise ValueError(f"val_prompts must be >= 0, got {val_prompts}")
         self.val_fraction, self.val_prompts = val_fraction, val_prompts
-        if self.file_problems is not None and val_fraction > 0:  # split the file once
+        self.val_path = val_path
+        self._file_val: list[Problem] | None = None
+        if val_path is not None:  # a held-out set of one's own: nothing else is held out
+            rows = _held_out_rows(val_path, dataset_config, val_split, task, columns)
+            self._file_val, self.val_fraction = [p for _, p in rows][:val_prompts], 0.0
+        elif self.file_problems is not None and val_fraction > 0:  # split the file once
+            source = prompt_file or (dataset if isinstance(dataset, str) else "the dataset")
+            total = len(self.file_problems)
             held = [p for p in self.file_problems if is_heldout(p, val_fraction)]
             self.file_problems = [p for p in self.file_problems if not is_heldout(p, val_fraction)]
             if not self.file_problems:
                 raise ValueError(
-                    f"every row of {prompt_file or dataset!r} is held out "
-                    f"(val_fraction={val_fraction})"
+                    f"every row of {source!r} is held out (val_fraction={val_fraction})"
                 )
             self._file_val = held[:val_prompts]
+            unused = len(held) - len(self._file_val)
+            rank_zero_info(
+                f"data: {len(held)} of {total} rows of {source} held out for validation "
+                f"(val_fraction={val_fraction}); the held-out set is {len(self._file_val)} of "
+                f"them (val_prompts={val_prompts})"
+                + (f", {unused} are neither trained nor validated on" if unused else "")
+                + "; data.val_path gives a held-out set of your own"
+            )
         self.consumed = 0  # prompt batches handed to training (the stream position)
         self._tokenizer = None
 
@@ -188,10 +214,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def validation_problems(self) -> list[Problem]:
         """The held-out set: distinct problems of the held-out split, the same on every rank."""
+        if self._file_val is not None:  # with the task, as the training stream has it
+            return [self.with_task(p) for p in self._file_val]
         if self.val_prompts == 0 or self.val_fraction == 0:
             return []
-        if self.file_problems is not None:  # with the task, as the training stream has it
-            return [self.with_task(p) for p in self._file_val]
         rng, out, seen = random.Random(f"{self.seed}/validation"), [], set()
         for _ in range(self.val_prompts * 500):  # bounded: a small space has few held-out problems
             problem = self.task.sample(rng)
@@ -276,3 +302,16 @@ class RolloutDataModule(L.LightningDataModule):
             if key in state and state[key] != getattr(self, key)
         ]
         Differences(lines, []).report()
+
+
+def _held_out_rows(
+    path: Any, config: str | None, split: str, task: str | None, columns: dict[str, str] | None
+) -> list[tuple[str, Problem]]:
+    """The rows of `val_path`: a JSONL prompt file, a local data file (its one split), a hub
+    dataset or directory (`split`), or a `Dataset` object."""
+    import os
+
+    if isinstance(path, str) and path.endswith(".jsonl") and os.path.isfile(path):
+        return read_prompt_file(path, task, columns)
+    local = isinstance(path, str) and os.path.isfile(path)
+    return load_prompt_dataset(path, config, "train" if local else split, task, columns)

@@ -107,3 +107,54 @@ def test_max_prompt_length_keeps_the_last_tokens_as_trl_does(tmp_path):
     assert truncate_left([1, 2, 3], 5) == [1, 2, 3] and truncate_left([1, 2, 3], None) == [1, 2, 3]
     with pytest.raises(ValueError, match="max_prompt_length must be >= 1"):
         RolloutDataModule(tokenizer=POLICY, prompt_file=str(path), max_prompt_length=0)
+
+
+def test_a_dataset_object_trains_and_a_held_out_set_of_ones_own_validates(tmp_path, caplog):
+    """TRL's `train_dataset` / `eval_dataset`: a `Dataset` object is the training data, and
+    `val_path` (a JSONL file, a data file or a `Dataset`) the whole held-out set; nothing of
+    the training rows is held out then."""
+    import datasets
+
+    train = datasets.Dataset.from_list(
+        [{"prompt": f"{i} + 1 =", "answer": i + 1} for i in range(30)]
+    )
+    held = tmp_path / "held.jsonl"
+    held.write_text(
+        "".join(json.dumps({"prompt": f"{i} + 2 =", "answer": i + 2}) + "\n" for i in range(5))
+    )
+    for val_path in (
+        str(held),
+        datasets.Dataset.from_list([json.loads(x) for x in held.read_text().splitlines()]),
+    ):
+        with caplog.at_level("INFO"):
+            dm = RolloutDataModule(
+                tokenizer=POLICY,
+                dataset=train,
+                val_path=val_path,
+                val_prompts=4,
+                prompts_per_step=2,
+            )
+        assert len(dm.file_problems) == 30  # every training row trains
+        assert [p["prompt"] for p in dm.validation_problems()] == [f"{i} + 2 =" for i in range(4)]
+        assert all(p["task"] == "arithmetic" for p in dm.validation_problems())
+        assert not any("held out" in r.getMessage() for r in caplog.records)
+    assert next(dm.labelled_prompts())[0] == "Dataset object row 0"
+
+
+def test_a_split_says_in_one_line_how_many_rows_it_holds_out_and_uses(tmp_path, caplog):
+    path = gsm8k_parquet(tmp_path / "gsm8k.parquet", n=300)
+    with caplog.at_level("INFO"):
+        dm = RolloutDataModule(
+            tokenizer=POLICY,
+            task=None,
+            dataset=path,
+            columns={"question": "prompt", "answer": "solution"},
+            val_prompts=16,
+        )
+    held = 300 - len(dm.file_problems)
+    lines = [r.getMessage() for r in caplog.records if "held out" in r.getMessage()]
+    assert lines == [
+        f"data: {held} of 300 rows of {path} held out for validation (val_fraction=0.2); the "
+        f"held-out set is 16 of them (val_prompts=16), {held - 16} are neither trained nor "
+        "validated on; data.val_path gives a held-out set of your own"
+    ]
