@@ -268,7 +268,7 @@ class ConfiguredOptimizer:
         Args:
             replay: `() -> (optimizer, scheduler)`, a fresh configured pair on stand-in
                 parameters, stepped here `steps` times to reach the lr of the step resumed at.
-            steps: scheduler steps taken so far (one per rollout batch).
+            steps: scheduler steps taken so far (one per optimizer step).
             saved_scheduler: the checkpoint has a scheduler's state.
 
         Returns:

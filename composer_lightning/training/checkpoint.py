@@ -245,7 +245,7 @@ class CheckpointHooks:
                 lambda: self._optimizer_and_scheduler(
                     [nn.Parameter(torch.empty((0,) * p.ndim)) for p in self.trainable_parameters()]
                 ),
-                self.policy_version,
+                self.global_step,  # the scheduler steps once per optimizer step
                 self._resumed_scheduler,
             )
             Differences(lines, []).report()

@@ -26,6 +26,7 @@ from composer_lightning.callbacks.checkpoints import AtomicCheckpoints
 from composer_lightning.callbacks.collapse import CollapseWatch
 from composer_lightning.callbacks.precision import AbsorbedUpdates
 from composer_lightning.callbacks.progress import in_place_of_the_default_bar
+from composer_lightning.callbacks.steps import OptimizerSteps
 from composer_lightning.callbacks.stop import CheckpointOnStop
 from composer_lightning.heads.base import Head
 from composer_lightning.models.dropout import without_dropout
@@ -87,7 +88,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             its adapters off (no copy), and engines get the merged weights under the base
             model's names (`models/lora.py`). None: the whole policy trains.
         optimizer: optimizer factory over the policy's parameters.
-        lr_scheduler: optional scheduler factory, stepped once per rollout batch.
+        lr_scheduler: optional scheduler factory, stepped once per optimizer step.
         clip_low: PPO ε_low, in (0, 1).
         clip_high: PPO ε_high (> 0; DAPO's clip-higher).
         dual_clip: dual-clip constant c > 1 for negative advantages, or None.
@@ -257,7 +258,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         # a collapse is said as it happens, with the trainer's own thresholds if it has a watch
         watched = any(isinstance(c, CollapseWatch) for c in self.trainer.callbacks)
         watch = [] if watched else [CollapseWatch()]
-        return bar + watch + [AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
+        steps = OptimizerSteps(self.ppo_epochs * self.minibatches)  # one step axis
+        return bar + watch + [steps, AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:
         opt, sched = self._optimizer_and_scheduler(self.trainable_parameters())
@@ -329,7 +331,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
                 f"training_step expects a RolloutBatch (or a dict with key 'rollout'), "
                 f"got {type(rb).__name__}; is the rollout callback configured?"
             )
-        opt = self.optimizers()
+        opt, sched = self.optimizers(), self.lr_schedulers()
         splits, error = None, None
         try:
             splits = rb.group_splits(self.minibatches)
@@ -395,11 +397,10 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
                 )
                 metrics["train/grad_norm"] = full(norm)
             opt.step()
+            if sched is not None:  # one step axis: the schedule counts optimizer steps too
+                sched.step()
             for k, v in metrics.items():
                 history[k].append(float(v))
-        sched = self.lr_schedulers()
-        if sched is not None:
-            sched.step()
         step_metrics.update(canary.local(), kind="max")  # reduced already: equal on every rank
         step_metrics.update({k: sum(v) / len(v) for k, v in history.items()})
         reduced = agree(step_metrics)  # the step's one reduction of its metrics
@@ -409,7 +410,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         for name in CANARY_METRICS:  # a step that compared nothing shows no old figures
             if name not in reduced:
                 self.trainer.callback_metrics.pop(name, None)
-        log_step(self.trainer, self.policy_version, reduced, bar)
+        log_step(self.trainer, self.global_step - 1, reduced, bar, updates)
         self.policy_version += 1
         return loss.detach()
 

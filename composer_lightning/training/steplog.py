@@ -3,8 +3,9 @@
 Lightning's `self.log` costs ≈0.5 ms per key on CPU (its result collection checks, moves and
 accumulates each value), ≈20 ms for the ≈35 metrics of a step: as long as a tiny policy's
 whole update. A step's metrics are reduced over ranks once (`distributed.agree`) and written
-here with one call per logger, at the step Lightning would log them at (the rollout batches
-trained before this one) and on its `log_every_n_steps` schedule; callbacks still read them in
+here with one call per logger, at the batch's last optimizer step (0-based: with one optimizer
+step per rollout batch, the step Lightning would log them at) and on its `log_every_n_steps`
+schedule of optimizer steps (`callbacks/steps.py` puts held-out figures on the same axis); callbacks still read them in
 `trainer.callback_metrics`, the progress bar in `trainer.progress_bar_metrics`.
 
 Held-out figures (`rollout/validation.py`) go through `self.log` instead (`log_validation`):
@@ -19,13 +20,20 @@ from torchmetrics import MeanMetric
 
 
 def log_step(
-    trainer: L.Trainer, step: int, metrics: dict[str, float], prog_bar: dict[str, float]
+    trainer: L.Trainer,
+    step: int,
+    metrics: dict[str, float],
+    prog_bar: dict[str, float],
+    updates: int = 1,
 ) -> None:
-    """Write one step's reduced `metrics` (and the figures the progress bar shows)."""
+    """Write one rollout batch's reduced `metrics` (and the figures the progress bar shows) at
+    `step`, its last optimizer step (0-based); the batch made `updates` optimizer steps, and is
+    logged when one of them falls on the `log_every_n_steps` schedule."""
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
     trainer.progress_bar_metrics.update(prog_bar)
     every = trainer.log_every_n_steps
-    if not trainer.loggers or not every or not ((step + 1) % every == 0 or trainer.should_stop):
+    due = every and (step + 1) // every > (step + 1 - updates) // every
+    if not trainer.loggers or not every or not (due or trainer.should_stop):
         return
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
