@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import warnings
 from typing import Any
 
 from composer_lightning.heads import registry
 from composer_lightning.runtime.config_errors import config_error_line
+from composer_lightning.runtime.overrides import null_overlays
+
+USAGE = """usage: python -m composer_lightning <command> [options]
+
+commands:
+  fit        train: fit --config configs/tiny_cpu.yaml [--section.key=value ...]
+  validate   the held-out figures of a config (and --ckpt_path)
+  test       Lightning's test loop
+  predict    Lightning's predict loop
+  serve      an OpenAI-compatible endpoint that trains from its conversations
+             (serve --config configs/serve_cpu.yaml)
+  export     a checkpoint as a Hugging Face model directory, or its LoRA adapter
+             (export --ckpt_path CKPT --out DIR [--adapter] [--dtype ...])
+  heads      the registered loss heads, built-in and plugins
+
+Each command's own options: python -m composer_lightning <command> --help"""
 
 
 def list_heads(stream=sys.stdout) -> int:
@@ -204,13 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         from composer_lightning.models.export import main as export
 
         return export(args[1:])
-    serving = bool(args) and args[0] == "serve"  # fit, with the endpoint as the rollout side
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    serving = args[0] == "serve"  # fit, with the endpoint as the rollout side
     if serving:
         args = ["fit", *args[1:]]
-        if argv is None:
-            sys.argv[1:] = args
-        else:
-            argv = args
+    # a `null` nested in class specs, which jsonargparse cannot take on the command line
+    overlays = tempfile.mkdtemp(prefix="composer-overrides-")
+    atexit.register(shutil.rmtree, overlays, ignore_errors=True)
+    args = null_overlays(args, overlays)
+    if argv is None:
+        sys.argv[1:] = args
+    else:
+        argv = args
     # Import every registered head first so the CLI can resolve them; a broken plugin is
     # reported and the others stay usable.
     for e in registry.load_all():
@@ -268,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def _run_name(self) -> str:
             files = (self.config.get(str(self.subcommand), self.config) or {}).get("config") or []
+            files = [f for f in files if not str(f).startswith(overlays)]
             return os.path.splitext(os.path.basename(str(files[0])))[0] if files else "run"
 
         def parse_arguments(self, parser, args) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.heads.dr_grpo import DrGRPOHead
@@ -359,3 +360,66 @@ def test_a_resume_takes_the_command_lines_settings_and_says_each_difference_in_o
         "torch.optim.AdamW, whose saved state means nothing to another class)"
     )
     assert "composer_lightning: policy" not in capsys.readouterr().out  # the fit never started
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "expected"),
+    [
+        # a null two class specs deep (jsonargparse alone reads it as the string "None")
+        (
+            "configs/tiny_cpu.yaml",
+            ["--rollout.score.reward_weights=null"],
+            {"fn": ["composer_lightning.tasks.math.accuracy_reward"], "reward_weights": None},
+        ),
+        (
+            "configs/tiny_cpu.yaml",
+            ["--rollout.init_args.score.init_args.reward_weights", "null"],
+            {"fn": ["composer_lightning.tasks.math.accuracy_reward"], "reward_weights": None},
+        ),
+        # one field of model.peft, with or without init_args
+        ("configs/tiny_cpu_lora.yaml", ["--model.peft.init_args.lora_dropout=0.1"], {"r": 8}),
+        ("configs/tiny_cpu_lora.yaml", ["--model.peft.lora_dropout=0.1"], {"r": 8}),
+    ],
+)
+def test_a_nested_option_written_in_yaml_can_be_overridden_on_the_command_line(
+    config, overrides, expected, tmp_path
+):
+    score = tmp_path / "score.yaml"
+    score.write_text(
+        yaml.safe_dump(
+            {
+                "rollout": {
+                    "init_args": {
+                        "score": {
+                            "class_path": "composer_lightning.tasks.FunctionScore",
+                            "init_args": {
+                                "fn": ["composer_lightning.tasks.math.accuracy_reward"],
+                                "reward_weights": [1.0],
+                            },
+                        }
+                    }
+                }
+            }
+        )
+    )
+    layers = ["--config", str(ROOT / config)]
+    if "lora" not in config:
+        layers += ["--config", str(score)]
+    out = run_cli("fit", *layers, *overrides, "--print_config")
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = yaml.safe_load(out.stdout)
+    if "lora" in config:
+        init = printed["model"]["peft"]["init_args"]
+        assert printed["model"]["peft"]["class_path"] == "peft.LoraConfig"
+        assert init["lora_dropout"] == 0.1 and init["target_modules"] == ["q_proj", "v_proj"]
+    else:
+        init = printed["rollout"]["init_args"]["score"]["init_args"]
+    assert {k: init[k] for k in expected} == expected
+
+
+def test_the_top_level_help_lists_every_command():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    commands = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    for command in ("fit", "validate", "serve", "export", "heads"):
+        assert command in commands, out.stdout

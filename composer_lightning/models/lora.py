@@ -27,6 +27,11 @@ from composer_lightning.runtime.errors import ConfigError
 # warn about an option nobody set.
 warnings.filterwarnings("ignore", message=r"`loftq_config` specified but will be ignored")
 
+try:  # the type of `model.peft`: with it the command line can set one field of the config
+    from peft import LoraConfig
+except ImportError:  # peft is the `lora` extra: without it `model.peft` takes anything (and
+    LoraConfig = Any  # type: ignore[misc,assignment]  # `lora_policy` says what is missing)
+
 #: The prefix `get_peft_model` puts before the base model's parameter names.
 PEFT_PREFIX = "base_model.model."
 

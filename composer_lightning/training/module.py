@@ -38,7 +38,7 @@ from composer_lightning.models.loading import (
     load_policy,
     reference_model,
 )
-from composer_lightning.models.lora import lora_policy
+from composer_lightning.models.lora import LoraConfig, lora_policy
 from composer_lightning.models.sharding import data_parallel_mesh, shard_frozen, shard_fsdp2
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import RolloutTargets, StepContext
@@ -150,7 +150,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         heads: list[Head],
         reference: str | nn.Module | None = None,
         teacher: str | nn.Module | None = None,
-        peft: Any = None,
+        peft: LoraConfig | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         clip_low: float = 0.2,
