@@ -28,7 +28,7 @@ def run_cli(
     *args: str, pythonpath: str | None = None, cwd: Path = ROOT, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     # nothing is downloaded
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env or {}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     return subprocess.run(

@@ -71,6 +71,7 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
         "--trainer.max_steps=4",
         f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
+        env={"OMP_NUM_THREADS": "2"},  # vLLM's line about the trainer's threads is dropped too
     )
     assert out.returncode == 0, out.stderr[-4000:]
     lines = (out.stdout + out.stderr).splitlines()  # quiet: a summary, the plain progress lines

@@ -8,7 +8,8 @@ validation every `val_check_interval` optimizer steps, and held-out figures logg
 step as the training metrics of the batch they follow (`training/steplog.py` logs those at the
 batch's last optimizer step). A `max_steps`, `val_check_interval` or `every_n_train_steps` that
 is not a multiple of k (the run can only stop, validate or save between rollout batches) is one
-line at setup naming it. `ComposerModule` adds this callback itself; with k = 1 it does nothing.
+line at setup naming it. A run that an `EarlyStopping` callback ends before `max_steps` says so
+in one line, with its reason. `ComposerModule` adds this callback itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import math
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from composer_lightning.runtime.errors import ConfigError
 
@@ -57,3 +59,12 @@ class OptimizerSteps(L.Callback):
             # Lightning logs held-out figures at this count (then adds 1 for the batch): the
             # batch's last optimizer step, as the training metrics are logged
             trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step - 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for cb in trainer.callbacks:
+            reason = getattr(cb, "stopping_reason_message", None)
+            if isinstance(cb, EarlyStopping) and reason:
+                rank_zero_info(
+                    f"stopped early at step {trainer.global_step} of {trainer.max_steps} by "
+                    f"EarlyStopping: {reason}"
+                )

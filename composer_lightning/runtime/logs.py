@@ -30,6 +30,8 @@ HARMLESS_VLLM = (
     # VLLMEngine turns chunked prefill off on CPU (a seeded split prefill crashes there); its
     # outputs were measured identical to chunked prefill's where that worked (engines/vllm.py)
     "This model does not officially support disabling chunked prefill",
+    # the trainer's threads, which the user set; the engine shares the process (ENVIRONMENT.md)
+    "OMP_NUM_THREADS=",
 )
 
 #: Lightning start-up lines that say nothing about this run.
