@@ -70,6 +70,46 @@ def test_a_save_that_fails_midway_leaves_the_previous_file_byte_for_byte(tmp_pat
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
+def test_the_file_put_in_place_is_the_one_written_never_a_copy(tmp_path):
+    """`write_file` renames the fsynced temporary file over the destination: the destination is
+    that very file (its inode), not a copy made afterwards (which a crash could cut halfway)."""
+    from composer_lightning.runtime.atomic import write_file
+
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"old")
+    written = {}
+
+    def write(f):
+        f.write(b"new" * 1000)
+        written["inode"] = os.fstat(f.fileno()).st_ino
+
+    write_file(path, write)
+    assert path.read_bytes() == b"new" * 1000
+    assert os.stat(path).st_ino == written["inode"]
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_a_failure_at_the_final_placement_leaves_the_previous_file_byte_for_byte(
+    tmp_path, monkeypatch
+):
+    """The rename that puts the new file in place fails (EIO): the previous checkpoint stays
+    as it was, no temporary file is left, and the error is the save's one line."""
+    path = tmp_path / "last.ckpt"
+    plugin = AtomicCheckpointIO()
+    plugin.save_checkpoint({"global_step": 1, "w": torch.arange(1000.0)}, path)
+    before = path.read_bytes()
+
+    def failing_replace(src, dst, *args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(CheckpointWriteError) as raised:
+        plugin.save_checkpoint({"global_step": 2, "w": torch.zeros(1000)}, path)
+    assert str(raised.value).startswith(f"cannot write checkpoint {path}: [Errno 5]")
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
 def _sharded_fit(ckpts, steps: int, *callbacks, ckpt_path=None) -> L.Trainer:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
