@@ -202,16 +202,18 @@ class HangingEngine(HFEngine):
 
 class SignalAt(L.Callback):
     """Sends its own process `signum` (SIGTERM by default, as a scheduler does) when step
-    `step` starts, on rank `rank` alone if given; the run stops at the end of that step."""
+    `step` starts, on rank `rank` alone if given; the run stops at the end of that step. With
+    `parent`, the signal goes to the process that started this one instead (a node's
+    `torchrun` agent, as a scheduler signals a node)."""
 
-    def __init__(self, step: int, signum: int = 15, rank: int | None = None):
-        self.step, self.signum, self.rank = step, signum, rank
+    def __init__(self, step: int, signum: int = 15, rank: int | None = None, parent: bool = False):
+        self.step, self.signum, self.rank, self.parent = step, signum, rank, parent
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             import os
 
-            os.kill(os.getpid(), self.signum)
+            os.kill(os.getppid() if self.parent else os.getpid(), self.signum)
 
 
 class ReadOnlyAt(L.Callback):
