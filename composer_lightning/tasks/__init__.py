@@ -1,7 +1,7 @@
 """Tasks (problems + verifiers) and the score / hint providers of the rollout side.
 
 Owns: the `Task` and provider contracts (`base.py`), the lookup of tasks by name
-(`registry.py`), the verifier as provider (`verifiers.py`), other hints (`hints.py`), reward
+(`registry.py`), the verifier as provider and the reference answer as hint (`verifiers.py`), other hints (`hints.py`), reward
 functions (`rewards.py`), LLM judges (`judge.py`), explicit feedback (`feedback.py`) and the
 built-in tasks (OpenEnv's as `openenv.py`).
 May import: `functional`, `runtime`, `models`, `engines` (a judge's), `chat`, `envs`.
@@ -20,10 +20,11 @@ from composer_lightning.tasks.hints import FunctionHint, ToolErrorHint
 from composer_lightning.tasks.registry import BUILTIN_TASKS, get_task
 from composer_lightning.tasks.reverse import ReverseDigits
 from composer_lightning.tasks.rewards import FunctionScore
-from composer_lightning.tasks.verifiers import VerifierHint, VerifierScore
+from composer_lightning.tasks.verifiers import AnswerHint, VerifierHint, VerifierScore
 
 __all__ = [
     "BUILTIN_TASKS",
+    "AnswerHint",
     "Arithmetic",
     "FunctionHint",
     "FunctionScore",

@@ -151,3 +151,49 @@ class VerifierHint(_VerifierBase, HintProvider):
         )
         self.failures += failures
         return values
+
+
+class AnswerHint(_VerifierBase, HintProvider):
+    """The reference answer as the hint of a reply the verifier finds wrong (where it would
+    give its own hint); None for a right one.
+
+    Privileged information for the teacher only (OPD's and SDPO's hinted context): the student
+    never sees it, and learns from how the policy, told the answer, would have scored its own
+    reply's tokens. On SmolLM2's chat arithmetic this told the teacher far more than the
+    verifier's digit hint (docs/benchmarks.md, "A real model").
+
+    Args:
+        task, timeout: as `VerifierHint`'s.
+        template: the hint, formatted with the problem's fields (`{answer}`); a field the
+            problem lacks fails its sample (no hint, one warning line).
+    """
+
+    _consequence = "it gets no hint"
+
+    def __init__(
+        self,
+        task: Task | str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        template: str = "The correct answer is {answer}.",
+    ):
+        super().__init__(task, timeout)
+        self.template = template
+
+    def _hint(self, problem: Problem, completion: str) -> str | None:
+        if self._verify(problem, completion).hint is None:
+            return None  # right, as the verifier judges it
+        return self.template.format_map(problem)
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        check_lengths(problems, completions)
+        values, failures = call_each(
+            self._hint,
+            problems,
+            completions,
+            self.timeout,
+            "answer hint",
+            self._consequence,
+            as_hint,
+        )
+        self.failures += failures
+        return values

@@ -219,3 +219,21 @@ def test_hint_candidates_the_verifier_hint_first_then_the_other_digits() -> None
     assert hint_candidates(["a", "b", "a"]) == ["a", "b"] and hint_candidates("a") == ["a"]
     with pytest.raises(ValueError, match="candidates must be an integer >= 1, got 0"):
         VerifierHint(candidates=0)
+
+
+def test_the_answer_hint_states_the_reference_answer_of_a_wrong_reply_only(caplog) -> None:
+    from composer_lightning.tasks import AnswerHint
+
+    problems = [
+        {"task": "chat_arithmetic", "prompt": "What is 17 + 25?", "answer": 42},
+        {"task": "chat_arithmetic", "prompt": "What is 17 + 25?", "answer": 42},
+        {"task": "chat_arithmetic", "prompt": "What is 3 + 4?", "answer": 7},
+    ]
+    replies = ["17 + 25 = 32.", "So 17 + 25 is 42.", "The sum is 7."]
+    assert AnswerHint().hints(problems, replies) == ["The correct answer is 42.", None, None]
+    custom = AnswerHint(template="It is {answer}, not what you wrote.")
+    assert custom.hints(problems[:1], replies[:1]) == ["It is 42, not what you wrote."]
+    broken = AnswerHint(template="The solution is {solution}.")  # a field no problem has
+    with caplog.at_level("WARNING"):
+        assert broken.hints(problems[:1], replies[:1]) == [None]
+    assert broken.failures == 1 and "KeyError" in caplog.text
