@@ -9,10 +9,11 @@ policy))` (vLLM: including the prefix-cache reset) against one plain `copy_` of 
 into a same-shaped module. Medians of `--repeats` runs after one warm-up. vLLM runs in a
 subprocess of this script (an in-process vLLM engine changes its host process).
 
-`--push-memory`: on 2 CPU ranks with the 20M model FSDP2-sharded over both and a vLLM engine
-per rank, rank 0's peak extra resident memory during a push that streams each gathered tensor
-into the engine, against one that gathers every tensor first (large allocations on mmap and
-`malloc_trim` before each push, so resident memory follows live tensors).
+`--push-memory`: on 2 CPU ranks with the 20M model (`--quick`: the tiny one) FSDP2-sharded
+over both and a vLLM engine per rank, rank 0's peak extra resident memory during a push that
+streams each gathered tensor into the engine, against one that gathers every tensor first
+(large allocations on mmap and `malloc_trim` before each push, so resident memory follows live
+tensors).
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ def main() -> None:
     parser.add_argument(
         "--push-memory",
         action="store_true",
-        help="also measure the peak extra memory of an FSDP2 push on 2 ranks (20M)",
+        help="also measure the peak extra memory of an FSDP2 push on 2 ranks (20M; --quick: tiny)",
     )
     parser.add_argument("--push-worker", nargs=2, metavar=("MODEL_DIR", "OUT_JSON"))
     parser.add_argument("--vllm-worker", nargs=2, metavar=("MODEL_DIR", "OUT_JSON"))
@@ -281,7 +282,7 @@ def main() -> None:
             )
             copy_ms = plain_copy_ms(policy, args.repeats)
             vl = run_vllm(model_dir, args) if has_vllm else None
-            if vl and args.push_memory and name == "20M":
+            if vl and args.push_memory and name == names[-1]:  # 20M (--quick: tiny)
                 vl.update(run_push_memory(model_dir, args))
             rows.append((name, params, hf, vl, copy_ms))
     batch = f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens"

