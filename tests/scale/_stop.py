@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from composer_lightning.callbacks.stop import _accept_exit_status
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
@@ -46,6 +47,16 @@ class Steps(L.Callback):
 
     def on_train_batch_end(self, trainer, *args):
         self.done.append(trainer.global_step)
+
+
+class ExitTogether(L.Callback):
+    """Rank 0 is Lightning's launcher: its child observer SIGKILLs it within 5 s of a child
+    exiting non-zero. When both ranks end with the same error (exit 3), rank 1 may be out
+    first; rank 0 must live to record its status, so the observer lets exit 3 be."""
+
+    def on_fit_start(self, trainer, *args):
+        if trainer.global_rank == 0:
+            _accept_exit_status(3)
 
 
 class FillHalf(L.Callback):
@@ -84,6 +95,7 @@ def main(kind: str, args: list[str], out: str) -> None:
         callbacks += [
             ModelCheckpoint(checkpoints, every_n_train_steps=1, save_top_k=0, save_last=True),
             FillHalf(checkpoints, 2),
+            ExitTogether(),
         ]
     module = ComposerModule(
         tiny_policy_path(), [DrGRPOHead()], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)
