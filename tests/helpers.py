@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,3 +277,28 @@ def base_model_dir(tmp_path: Path) -> str:
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     write_checksums(out)
     return str(out)
+
+
+def wait_gone(pgid: int) -> None:
+    """Fails unless every process of group `pgid` is dead (a zombie waiting for init counts as
+    dead); polls for at most ~10 s while SIGKILL is delivered."""
+    for _ in range(100):
+        ps = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,args="], capture_output=True)
+        rows = [line.split(None, 3) for line in ps.stdout.decode().splitlines()]
+        live = [r for r in rows if r[0] == str(pgid) and not r[2].startswith("Z")]
+        if not live:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes left behind: {live}")
+
+
+def end_session(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of the session `proc` leads (started with
+    `start_new_session=True`: ranks, engine processes), reap `proc`, and fail unless every
+    process of the session is gone."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing of it left
+        pass
+    proc.wait()
+    wait_gone(proc.pid)

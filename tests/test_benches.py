@@ -15,13 +15,14 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import end_session
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -186,19 +187,11 @@ def run_bench(smoke: Smoke, tmp: Path) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        _end_session(proc.pid)
+        end_session(proc)
         out, err = proc.communicate()
         pytest.fail(f"{smoke.bench} ran past {TIMEOUT_S} s:\n{out[-2000:]}\n{err[-3000:]}")
-    _end_session(proc.pid)
+    end_session(proc)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _end_session(pid: int) -> None:
-    """Kill what is left of the session `run_bench` started (its leader's id is the group's)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:  # nothing of it left
-        pass
 
 
 def _params():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.scale.test_resume import _wait_gone
+from tests.helpers import end_session
 from tests.test_cli import ROOT
 
 STEPS, SIGNAL_AT = 5, 2  # the signal arrives as step 3 starts: both nodes stop after it
@@ -80,12 +79,7 @@ def _nodes(root, *args: str) -> list[int]:
         finally:
             log.close()
     for proc, _ in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        _wait_gone(proc.pid)
+        end_session(proc)
     return codes
 
 

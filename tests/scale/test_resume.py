@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.helpers import end_session
 from tests.test_cli import ROOT
 
 SCRIPT = str(ROOT / "tests" / "scale" / "_resume.py")
@@ -37,26 +37,8 @@ def _run(kind: str, root, *extra: str, k: int = 0) -> tuple[int, str]:
     try:
         _, stderr = proc.communicate(timeout=240)
     finally:  # a hang fails here, by the timeout, and takes rank 1 with it
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    _wait_gone(proc.pid)
+        end_session(proc)
     return proc.returncode, stderr
-
-
-def _wait_gone(pgid: int) -> None:
-    """Fails unless every process of group `pgid` is dead (a zombie waiting for init counts as
-    dead); polls for at most ~10 s while SIGKILL is delivered."""
-    for _ in range(100):
-        ps = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,args="], capture_output=True)
-        rows = [line.split(None, 3) for line in ps.stdout.decode().splitlines()]
-        live = [r for r in rows if r[0] == str(pgid) and not r[2].startswith("Z")]
-        if not live:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"processes left behind: {live}")
 
 
 def _ranks(root) -> list[dict]:

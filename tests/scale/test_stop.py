@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.scale.test_resume import _wait_gone
+from tests.helpers import end_session
 from tests.test_atomic_checkpoints import mounts  # noqa: F401 - a fixture
 from tests.test_cli import ROOT
 
@@ -41,12 +41,7 @@ def _run(root, *args: str) -> int:
     except subprocess.TimeoutExpired:
         stderr = "hung: killed after 150 s"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    _wait_gone(proc.pid)
+        end_session(proc)
     (root / "stderr.txt").write_text(stderr or "")
     return proc.returncode
 
