@@ -63,22 +63,29 @@ class _VerifierBase:
                 return f"problem {i}: the {task.name!r} verifier needs field(s) {missing}"
         return None
 
+    def _each(
+        self,
+        fn: Any,
+        problems: list[Problem],
+        completions: list[str],
+        subject: str,
+        convert: Any = as_hint,
+    ) -> list[Any]:
+        """`convert(fn(problem, completion))` for each sample, under this provider's timeout; a
+        call that raises, times out or returns what `convert` refuses fails its sample (None,
+        one warning line, counted in `failures`)."""
+        check_lengths(problems, completions)
+        values, failures = call_each(
+            fn, problems, completions, self.timeout, subject, self._consequence, convert
+        )
+        self.failures += failures
+        return values
+
     def _verify(self, problem: Problem, completion: str) -> Verdict:
         return self._task_for(problem).verify(problem, completion)
 
     def _verdicts(self, problems: list[Problem], completions: list[str]) -> list[Verdict | None]:
-        check_lengths(problems, completions)
-        verdicts, failures = call_each(
-            self._verify,
-            problems,
-            completions,
-            self.timeout,
-            "verifier",
-            self._consequence,
-            _as_verdict,
-        )
-        self.failures += failures
-        return verdicts
+        return self._each(self._verify, problems, completions, "verifier", _as_verdict)
 
 
 def _as_verdict(value: Any) -> Verdict:
@@ -139,18 +146,7 @@ class VerifierHint(_VerifierBase, HintProvider):
     def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
         if self.candidates == 1:
             return [None if v is None else v.hint for v in self._verdicts(problems, completions)]
-        check_lengths(problems, completions)
-        values, failures = call_each(
-            self._candidates,
-            problems,
-            completions,
-            self.timeout,
-            "verifier",
-            self._consequence,
-            as_hint,
-        )
-        self.failures += failures
-        return values
+        return self._each(self._candidates, problems, completions, "verifier")
 
 
 class AnswerHint(_VerifierBase, HintProvider):
@@ -185,15 +181,4 @@ class AnswerHint(_VerifierBase, HintProvider):
         return self.template.format_map(problem)
 
     def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
-        check_lengths(problems, completions)
-        values, failures = call_each(
-            self._hint,
-            problems,
-            completions,
-            self.timeout,
-            "answer hint",
-            self._consequence,
-            as_hint,
-        )
-        self.failures += failures
-        return values
+        return self._each(self._hint, problems, completions, "answer hint")
