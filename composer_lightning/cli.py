@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import inspect
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import warnings
 from typing import Any
 
 from composer_lightning.heads import registry
 from composer_lightning.runtime.config_errors import config_error_line
-from composer_lightning.runtime.overrides import null_overlays
+from composer_lightning.runtime.overrides import is_overlay, null_overlays
 
 USAGE = """usage: python -m composer_lightning <command> [options]
 
@@ -230,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if serving:
         args = ["fit", *args[1:]]
     # a `null` nested in class specs, which jsonargparse cannot take on the command line
-    overlays = tempfile.mkdtemp(prefix="composer-overrides-")
-    atexit.register(shutil.rmtree, overlays, ignore_errors=True)
-    args = null_overlays(args, overlays)
+    args = null_overlays(args)
     if argv is None:
         sys.argv[1:] = args
     else:
@@ -294,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def _run_name(self) -> str:
             files = (self.config.get(str(self.subcommand), self.config) or {}).get("config") or []
-            files = [f for f in files if not str(f).startswith(overlays)]
+            files = [f for f in files if not is_overlay(str(f))]
             return os.path.splitext(os.path.basename(str(files[0])))[0] if files else "run"
 
         def parse_arguments(self, parser, args) -> None:

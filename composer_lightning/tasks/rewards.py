@@ -237,13 +237,17 @@ class FunctionScore(ScoreProvider):
         n = len(problems)
         failed = [False] * n
         values: list[list[float | None]] = []
-        inputs = trl_inputs(
-            problems,
-            completions,
-            completion_ids,
-            self.trainer_state,
-            self._log_metric,
-            self._log_extra,
+        inputs = (  # the batched functions' keyword arguments, built once for all of them
+            trl_inputs(
+                problems,
+                completions,
+                completion_ids,
+                self.trainer_state,
+                self._log_metric,
+                self._log_extra,
+            )
+            if any(self.batched)
+            else {}
         )
         awaited = self._await_all(inputs, n)
         for fn, batched in zip(self.fns, self.batched, strict=True):
