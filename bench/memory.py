@@ -34,6 +34,10 @@ micro-batched step's peak memory and time per token should stay flat in the batc
 `--smoke`: the same runs on a policy of tiny widths (`SMOKE_WIDTHS`), one step of 4 x 32 on
 one thread (`--micro-rows`: T = 32, micro-batches of 64 tokens): a check that every path of the
 bench still runs (the test suite's, `tests/test_benches.py`), not a measurement.
+
+Why this file is long: it is the driver and, re-invoked with `--worker`, the one-run worker
+(peak RSS is only meaningful per process), and it holds the full-logits baseline
+(`FullLogitsModule`, `FullLogitsSDPO`) that only this bench uses; each part is short.
 """
 
 from __future__ import annotations
