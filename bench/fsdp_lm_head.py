@@ -10,7 +10,8 @@ unit. Two ways to apply it chunk by chunk to the hidden states:
   again in the checkpointed recompute (and reduce-scattered per chunk in the backward).
 This times one all-gather of that weight over 2 gloo ranks and one LM-head chunk matmul
 (forward + recompute + the two backward matmuls) and prints the cost of each way for a
-minibatch of `--tokens` response tokens at the module's default chunk (64 MiB of logits).
+minibatch of `--tokens` response tokens at the module's default chunk
+(`training.hidden.chunk_tokens`).
 `--smoke`: a 1024 x 64 head, one repeat: a check that the bench runs, not a measurement.
 """
 
@@ -24,9 +25,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from composer_lightning.training.hidden import chunk_tokens  # noqa: E402
 
 V, H = 151936, 896
 SMOKE_V, SMOKE_H = 1024, 64  # --smoke
@@ -45,7 +53,7 @@ def worker(out: str, repeats: int, vocab: int, hidden: int) -> None:
         t0 = time.perf_counter()
         dist.all_gather_into_tensor(full, shard)
         times.append(time.perf_counter() - t0)
-    chunk = max(1, 2**24 // vocab)
+    chunk = chunk_tokens(vocab, None)
     h = torch.randn(chunk, hidden, requires_grad=True)
     w = full.requires_grad_()
     mm = []

@@ -1,6 +1,7 @@
 """Peak memory and time of one training step, chunked (the module) vs full `[B, T, V]` logits.
 
-    python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2]
+    python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2] [--hidden 896]
+    python bench/memory.py --shapes 16x160 --hidden 64 --heap-baseline
     python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512]
     python bench/memory.py --smoke [--micro-rows 4]
 
@@ -13,7 +14,8 @@ Activation checkpointing of the decoder layers is on in both paths (`--no-checkp
 so what is measured is the logits path, not the layers' activations.
 
 Each (path, shape) runs in its own process. A warm-up step on a tiny batch (4 x 32) allocates
-the optimizer state and gradients. Two figures per run:
+the optimizer state and gradients. Three figures per run:
+- "peak": the whole process's peak resident memory (libraries, weights, state and the step);
 - "extra": peak RSS of the measured steps minus the peak RSS of the warm-up step, i.e. what the
   step's B x T adds (activations, logits) over a step that already pays every fixed cost
   (weights, reference, gradients, AdamW state, and the [V, H]-sized transients of the embedding
@@ -26,6 +28,11 @@ objective and heads, with SDPO on gathered `[B, T, V]` logits. Both paths print 
 the run also checks they compute the same objective. Shapes whose full-logits step cannot fit
 in this machine's memory are estimated (marked "est.") from the smaller shape, linearly in
 B·T.
+
+`--hidden N`: the policy's hidden size (Qwen's vocabulary kept; MLP and heads as `--smoke`'s when
+N < 896), to see the logits path beside a small state. `--heap-baseline`: also the chunked
+path with glibc's default heap (the module fixes the mmap threshold, `runtime/malloc.py`), so the
+run shows what that buys.
 
 `--micro-rows`: the same step on rollout batches of growing size at a fixed length, one forward
 per minibatch vs micro-batches under a fixed token budget (`max_tokens_per_micro_batch`): the
@@ -205,6 +212,10 @@ def worker(
 ) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    if path == "chunked-glibc":  # glibc's own mmap threshold, as before runtime/malloc.py
+        import composer_lightning.training.module as module_file
+
+        module_file.fix_mmap_threshold = lambda: False
     policy = Qwen2ForCausalLM(Qwen2Config(**widths, max_position_embeddings=4096)).train()
     replay = ReplayDPOHead(weight=0.05, pairs_per_step=4)
     heads = [
@@ -263,6 +274,7 @@ def worker(
         "T": T,
         "params_M": sum(p.numel() for p in policy.parameters()) / 1e6,
         "base_GiB": rec.base / GiB,
+        "peak_GiB": rss_peak() / GiB,
         "state_extra_GiB": (rss_peak() - rec.base) / GiB,
         "extra_GiB": (rss_peak() - rec.base_peak) / GiB,
         "step_s": sorted(rec.times)[len(rec.times) // 2],
@@ -274,7 +286,14 @@ def worker(
 
 # ------------------------------------------------------------------ the driver
 def run(
-    path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool, smoke: bool
+    path: str,
+    B: int,
+    T: int,
+    steps: int,
+    threads: int,
+    checkpointing: bool,
+    smoke: bool,
+    hidden: int | None = None,
 ) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(
@@ -290,7 +309,8 @@ def run(
             str(threads),
         ]
         + ([] if checkpointing else ["--no-checkpointing"])
-        + (["--smoke"] if smoke else []),
+        + (["--smoke"] if smoke else [])
+        + ([] if hidden is None else ["--hidden", str(hidden)]),
         capture_output=True,
         text=True,
         env=env,
@@ -332,9 +352,21 @@ def main() -> None:
         help="tiny widths, one 4x32 step on one thread (micro: T 32, 64 tokens): a check, "
         "not a measurement",
     )
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="hidden size at Qwen's vocabulary (default 896; below it, the MLP and attention "
+        "heads of --smoke)",
+    )
+    ap.add_argument(
+        "--heap-baseline",
+        action="store_true",
+        help="also the chunked path with glibc's default mmap threshold",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    widths = SMOKE_WIDTHS if args.smoke else QWEN_WIDTHS
+    widths = widths_for(args.smoke, args.hidden)
     if args.worker:
         B, T = map(int, args.worker[1].split("x"))
         ckpt = not args.no_checkpointing
@@ -352,7 +384,12 @@ def main() -> None:
         B, T = map(int, shape.split("x"))
         copy_gib = B * T * widths["vocab_size"] * 4 / GiB
         ckpt = not args.no_checkpointing
-        chunked = run("chunked", B, T, args.steps, args.threads, ckpt, args.smoke)
+        chunked = run("chunked", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden)
+        heap = None
+        if args.heap_baseline:
+            heap = run(
+                "chunked-glibc", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden
+            )
         full = None
         if first_full is not None:
             scale = B * T / (first_full["B"] * first_full["T"])
@@ -367,11 +404,14 @@ def main() -> None:
                     "step_s": first_full["step_s"] * scale,
                 }
         if full is None:
-            full = run("full", B, T, args.steps, args.threads, ckpt, args.smoke)
+            full = run("full", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden)
             if "error" not in full and first_full is None:
                 first_full = full
-        rows.append((shape, copy_gib, chunked, full))
-        print(json.dumps({"shape": shape, "chunked": chunked, "full": full}), file=sys.stderr)
+        rows.append((shape, copy_gib, chunked, full, heap))
+        print(
+            json.dumps({"shape": shape, "chunked": chunked, "full": full, "heap": heap}),
+            file=sys.stderr,
+        )
     print(
         f"policy {widths} + frozen reference copy; AdamW; {args.threads} thread(s); "
         f"median of {args.steps} step(s); activation checkpointing "
@@ -379,20 +419,51 @@ def main() -> None:
     )
     print(
         "| B x T | one fp32 [B,T,V] copy | full-logits extra | chunked extra | chunked extra / copy | "
-        "chunked over state | full s/step | chunked s/step | chunked / full time | loss full | loss chunked |"
+        "chunked over state | full peak | chunked peak | full s/step | chunked s/step | "
+        "chunked / full time | loss full | loss chunked |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for shape, copy_gib, c, f in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for shape, copy_gib, c, f, _ in rows:
         est = " (est.)" if f.get("est") else ""
         if "error" in c or "error" in f:
             print(f"| {shape} | {copy_gib:.2f} GiB | error: {f.get('error') or c.get('error')} |")
             continue
         loss_f = "—" if f.get("est") else f"{f['losses'][0]:.6f}"
+        peak_f = "—" if f.get("est") else f"{f['peak_GiB']:.2f} GiB"
         print(
             f"| {shape} | {copy_gib:.2f} GiB | {f['extra_GiB']:.2f} GiB{est} | {c['extra_GiB']:.3f} GiB | "
-            f"{c['extra_GiB'] / copy_gib:.3f} | {c['state_extra_GiB']:.2f} GiB | {f['step_s']:.1f}{est} | "
+            f"{c['extra_GiB'] / copy_gib:.3f} | {c['state_extra_GiB']:.2f} GiB | {peak_f} | "
+            f"{c['peak_GiB']:.2f} GiB | {f['step_s']:.1f}{est} | "
             f"{c['step_s']:.1f} | {c['step_s'] / f['step_s']:.2f}{est} | {loss_f} | {c['losses'][0]:.6f} |"
         )
+    heaps = [(shape, c, h) for shape, _, c, _, h in rows if h is not None]
+    if heaps:
+        print("\nThe chunked path with glibc's default heap (mmap threshold not fixed):")
+        print(
+            "| B x T | peak, glibc default | peak, fixed threshold | fixed / default | "
+            "s/step default | s/step fixed | fixed / default time |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for shape, c, h in heaps:
+            if "error" in c or "error" in h:
+                print(f"| {shape} | error: {h.get('error') or c.get('error')} |")
+                continue
+            print(
+                f"| {shape} | {h['peak_GiB']:.2f} GiB | {c['peak_GiB']:.2f} GiB | "
+                f"{c['peak_GiB'] / h['peak_GiB']:.2f} | {h['step_s']:.1f} | {c['step_s']:.1f} | "
+                f"{c['step_s'] / h['step_s']:.2f} |"
+            )
+
+
+def widths_for(smoke: bool, hidden: int | None) -> dict:
+    """The policy's widths: Qwen's, `--smoke`'s, or Qwen's vocabulary at another hidden size."""
+    if smoke:
+        return SMOKE_WIDTHS
+    if hidden is None or hidden == QWEN_WIDTHS["hidden_size"]:
+        return QWEN_WIDTHS
+    if hidden > QWEN_WIDTHS["hidden_size"]:
+        return dict(QWEN_WIDTHS, hidden_size=hidden)
+    return dict(SMOKE_WIDTHS, vocab_size=QWEN_WIDTHS["vocab_size"], hidden_size=hidden)
 
 
 def micro_table(args: argparse.Namespace) -> None:
@@ -401,14 +472,21 @@ def micro_table(args: argparse.Namespace) -> None:
     ckpt, smoke = not args.no_checkpointing, args.smoke
     rows = []
     for B in args.micro_rows:
-        one = run("chunked", B, args.micro_T, args.steps, args.threads, ckpt, smoke)
+        one = run("chunked", B, args.micro_T, args.steps, args.threads, ckpt, smoke, args.hidden)
         micro = run(
-            f"micro{args.micro_tokens}", B, args.micro_T, args.steps, args.threads, ckpt, smoke
+            f"micro{args.micro_tokens}",
+            B,
+            args.micro_T,
+            args.steps,
+            args.threads,
+            ckpt,
+            smoke,
+            args.hidden,
         )
         rows.append((B, one, micro))
         print(json.dumps({"B": B, "one": one, "micro": micro}), file=sys.stderr)
     print(
-        f"policy {SMOKE_WIDTHS if smoke else QWEN_WIDTHS} + frozen reference copy; AdamW; "
+        f"policy {widths_for(smoke, args.hidden)} + frozen reference copy; AdamW; "
         f"{args.threads} thread(s); T = {args.micro_T}; micro-batches of <= "
         f"{args.micro_tokens} padded tokens; median of {args.steps} step(s); activation "
         f"checkpointing {'on' if ckpt else 'off'}"

@@ -1,14 +1,14 @@
-"""Log-probs, entropies and the generalised JSD from hidden states, in checkpointed chunks.
+"""Log-probs, entropies and the generalised JSD from hidden states, in recomputed chunks.
 
 For large vocabularies the `[B, T, V]` logits dominate memory. These functions compute the same
 values as `logprobs_from_logits(hidden @ lm_head_weight.T)`, `entropy_from_logits(...)` and
 `generalized_jsd_per_token(student_hidden @ student_weight.T, teacher_hidden @
-teacher_weight.T)`, one chunk of tokens at a time under `torch.utils.checkpoint`: only the
-`[chunk, V]` logits of one chunk are alive at once, in the forward and again (recomputed) in the
-backward, so peak memory grows with `chunk_size`, not with T x V. (The same trick as
-Liger-Kernel's fused linear cross-entropy and fused linear JSD, without the fused kernels: the
-price is one extra LM-head matmul per chunk in the backward.) An LM head with a bias is not
-supported.
+teacher_weight.T)`, one chunk of tokens at a time (`lm_head_in_chunks`): only the `[chunk, V]`
+logits of one chunk are alive at once, in the forward and again (recomputed) in the backward,
+so peak memory grows with `chunk_size`, not with T x V, and the LM head's weight gradient is
+summed in place into one buffer. (The same trick as Liger-Kernel's fused linear cross-entropy
+and fused linear JSD, without the fused kernels: the price is one extra LM-head matmul per
+chunk in the backward.) An LM head with a bias is not supported.
 """
 
 from __future__ import annotations
@@ -19,30 +19,118 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from ._checks import as_bool_mask, check_ndim, check_range, shape_str
 from .jsd import check_jsd_options, generalized_jsd_per_token
 from .logprobs import check_logits_and_ids, scaled_logits, upcast
 
 
-def _chunk_logprobs(
-    hidden: Tensor,  # [n, H]
+class _LMHeadInChunks(torch.autograd.Function):
+    """`cat([fn(hidden[c] @ weight.T, *rows[c], *consts) for each chunk c of rows])`, with
+    one chunk's `[n, V]` logits alive at a time, and the weight's gradient summed in place.
+
+    The forward runs `fn` without grad and saves only its inputs. The backward recomputes each
+    chunk's logits, takes `fn`'s gradient with respect to them (autograd, on `[n, V]` only), and
+    applies the LM head's two matmuls itself: `grad_hidden[c] = g @ W` and
+    `grad_W += g.T @ hidden[c]` into ONE `[V, H]` buffer (`addmm_`). Under
+    `torch.utils.checkpoint` per chunk, autograd made a new `[V, H]` gradient per chunk and
+    summed it into the previous one: at a 151,936 x 896 head that is two 545 MB tensors
+    per chunk, written and read once each. (Liger-Kernel's fused linear losses keep one
+    buffer the same way.)
+
+    Under autocast the matmuls run in the autocast dtype, as autocast would run them, and `fn`
+    under the same autocast state in the forward and in the backward. Only `fn`'s first output
+    has a gradient; the others are marked non-differentiable. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, fn, chunk_size, n_rows, *rest):
+        rows, consts = rest[:n_rows], rest[n_rows:]
+        device = hidden.device.type
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+        if not autocast and weight.dtype != hidden.dtype:
+            raise ValueError(
+                f"hidden ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same "
+                "dtype (or run under autocast)"
+            )
+        ctx.fn, ctx.chunk_size, ctx.n_rows, ctx.consts = fn, chunk_size, n_rows, consts
+        ctx.autocast, ctx.dtype = (device, dtype, autocast), dtype
+        ctx.save_for_backward(hidden, weight, *rows)
+        w = weight.to(dtype)
+        pieces = []
+        for i in range(0, max(hidden.shape[0], 1), chunk_size):
+            c = slice(i, i + chunk_size)
+            with torch.autocast(device, enabled=False):
+                logits = hidden[c].to(dtype) @ w.T  # [n, V]
+            out = fn(logits, *(r[c] for r in rows), *consts)
+            pieces.append(out if isinstance(out, tuple) else (out,))
+        outs = tuple(torch.cat(parts) for parts in zip(*pieces, strict=True))
+        ctx.mark_non_differentiable(*outs[1:])
+        ctx.single = not isinstance(out, tuple)
+        return outs[0] if ctx.single else outs
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        hidden, weight, *rows = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        device, dtype, autocast = ctx.autocast
+        w = weight.to(dtype)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        for i in range(0, hidden.shape[0], ctx.chunk_size):
+            c = slice(i, i + ctx.chunk_size)
+            h = hidden[c].to(dtype)
+            with torch.autocast(device, enabled=False):
+                logits = (h @ w.T).requires_grad_()  # [n, V]
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+                out = ctx.fn(logits, *(r[c] for r in rows), *ctx.consts)
+                out = out[0] if isinstance(out, tuple) else out
+            (g,) = torch.autograd.grad(out, logits, grad[c])
+            del logits, out
+            g = g.to(dtype)
+            with torch.autocast(device, enabled=False):
+                if grad_h is not None:
+                    grad_h[c] = g @ w
+                if grad_w is None:
+                    continue
+                if grad_w.dtype == dtype:
+                    grad_w.addmm_(g.T, h)
+                else:  # an fp32 master weight under bf16 autocast: as autocast's backward does
+                    grad_w += g.T @ h
+        return grad_h, grad_w, None, None, None, *([None] * (len(rows) + len(ctx.consts)))
+
+
+def lm_head_in_chunks(
+    fn: Callable[..., Tensor | tuple[Tensor, ...]],
+    hidden: Tensor,  # [N, H]
     weight: Tensor,  # [V, H]
+    rows: tuple[Tensor, ...] = (),  # each [N, ...], sliced with hidden
+    consts: tuple = (),
+    chunk_size: int = 1024,
+) -> Tensor | tuple[Tensor, ...]:  # each [N, ...]
+    """`fn(hidden @ weight.T, *rows, *consts)` computed `chunk_size` rows at a time, values and
+    gradients (see `_LMHeadInChunks`). `fn` maps `[n, V]` logits (and the rows' slices) to per-row
+    outputs; only its first output is differentiable. With N = 0 one empty chunk still runs, so
+    the result is attached to the graph."""
+    return _LMHeadInChunks.apply(hidden, weight, fn, chunk_size, len(rows), *rows, *consts)
+
+
+def _chunk_logprobs(
+    logits: Tensor,  # [n, V]
     targets: Tensor,  # [n] long
     temperature: float,
 ) -> Tensor:  # [n]
-    x = scaled_logits(hidden @ weight.T, temperature)  # [n, V]
+    x = scaled_logits(logits, temperature)  # [n, V]
     return x.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
 def _chunk_entropy(
-    hidden: Tensor,  # [n, H]
-    weight: Tensor,  # [V, H]
+    logits: Tensor,  # [n, V]
     targets: Tensor,  # [n], unused
     temperature: float,
 ) -> Tensor:  # [n]
-    lp = torch.log_softmax(scaled_logits(hidden @ weight.T, temperature), dim=-1)  # [n, V]
+    lp = torch.log_softmax(scaled_logits(logits, temperature), dim=-1)  # [n, V]
     return -(lp.exp() * lp).sum(dim=-1)
 
 
@@ -56,7 +144,7 @@ def _check_chunk_size(chunk_size: int) -> None:
 
 
 def _chunked(
-    fn: Callable[[Tensor, Tensor, Tensor, float], Tensor],
+    fn: Callable[[Tensor, Tensor, float], Tensor],
     hidden: Tensor,  # [B, T, H]
     weight: Tensor,  # [V, H]
     input_ids: Tensor,  # [B, T]
@@ -81,19 +169,9 @@ def _chunked(
     sel = None if mask is None else as_bool_mask(mask)[:, 1:]  # [B, T-1]
     flat_hidden = hidden[:, :-1].reshape(-1, h) if sel is None else hidden[:, :-1][sel]  # [N, H]
     flat_targets = input_ids[:, 1:].reshape(-1) if sel is None else input_ids[:, 1:][sel]  # [N]
-    pieces = [
-        checkpoint(
-            fn,
-            flat_hidden[i : i + chunk_size],
-            weight,
-            flat_targets[i : i + chunk_size],
-            temperature,
-            use_reentrant=False,
-        )
-        # max(N, 1): with nothing selected one empty chunk still runs, so the result is attached
-        for i in range(0, max(flat_hidden.shape[0], 1), chunk_size)
-    ]
-    values = torch.cat(pieces)  # [N]
+    values = lm_head_in_chunks(
+        fn, flat_hidden, weight, (flat_targets,), (temperature,), chunk_size
+    )  # [N]
     if sel is None:
         return F.pad(values.view(b, t - 1), (1, 0))
     zeros = torch.zeros(b, t - 1, dtype=values.dtype, device=values.device)
@@ -115,7 +193,7 @@ def chunked_logprobs_from_hidden(
         lm_head_weight: The LM head (or tied embedding) weight.
         input_ids: The token sequence.
         temperature: Sampling temperature, > 0.
-        chunk_size: Tokens (over B x T) per checkpointed chunk.
+        chunk_size: Tokens (over B x T) per chunk.
         mask: The tokens to compute (e.g. the response tokens); the others are 0 and cost no
             LM-head work. None computes every token.
 
@@ -141,7 +219,7 @@ def chunked_entropy_from_hidden(
         hidden: Hidden states that the LM head maps to logits.
         lm_head_weight: The LM head (or tied embedding) weight.
         temperature: Sampling temperature, > 0.
-        chunk_size: Tokens (over B x T) per checkpointed chunk.
+        chunk_size: Tokens (over B x T) per chunk.
         mask: The tokens to compute; the others are 0. None computes every token.
 
     Returns:
@@ -155,8 +233,7 @@ def chunked_entropy_from_hidden(
 
 
 def _chunk_jsd(
-    student_hidden: Tensor,  # [n, H]
-    student_weight: Tensor,  # [V, H]
+    student_logits: Tensor,  # [n, V]
     teacher_hidden: Tensor,  # [n, H_T], detached
     teacher_weight: Tensor,  # [V, H_T], detached
     beta: float,
@@ -165,7 +242,7 @@ def _chunk_jsd(
     clip_mode: str,
 ) -> tuple[Tensor, Tensor]:  # [n], [n]
     return generalized_jsd_per_token(
-        student_hidden @ student_weight.T,  # [n, V]
+        student_logits,
         teacher_hidden @ teacher_weight.T,  # [n, V]; no grad, so autograd saves nothing of it
         beta=beta,
         temperature=temperature,
@@ -186,7 +263,7 @@ def chunked_generalized_jsd(
     clip_mode: str = "scale",
     chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor]:  # [N], [N]
-    """The generalised JSD between two LM heads' distributions, in checkpointed row chunks.
+    """The generalised JSD between two LM heads' distributions, in recomputed row chunks.
 
     Equal, in value and in gradient, to `generalized_jsd_per_token(student_hidden @
     student_weight.T, teacher_hidden @ teacher_weight.T, ...)` (see there for the definition),
@@ -202,7 +279,7 @@ def chunked_generalized_jsd(
         temperature: Softmax temperature, > 0.
         clip: Cap (> 0), or None for none.
         clip_mode: `"scale"`, `"element"` or `"token"` (see `generalized_jsd_per_token`).
-        chunk_size: Rows per checkpointed chunk.
+        chunk_size: Rows per chunk.
 
     Returns:
         `(per_token, clipped_share)` as `generalized_jsd_per_token` returns them; the second
@@ -233,23 +310,11 @@ def chunked_generalized_jsd(
             f"{shape_str(teacher_weight)} must have the same vocabulary size"
         )
     teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
-    n = student_hidden.shape[0]
-    # max(n, 1): with N = 0 one empty chunk still runs, so the result hangs off the graph.
-    pieces = [
-        checkpoint(
-            _chunk_jsd,
-            student_hidden[i : i + chunk_size],
-            student_weight,
-            teacher_hidden[i : i + chunk_size],
-            teacher_weight,
-            beta,
-            temperature,
-            clip,
-            clip_mode,
-            use_reentrant=False,
-        )
-        for i in range(0, max(n, 1), chunk_size)
-    ]
-    per_token = torch.cat([p for p, _ in pieces])  # [N]
-    capped = torch.cat([c for _, c in pieces])  # [N]
-    return per_token, capped
+    return lm_head_in_chunks(
+        _chunk_jsd,
+        student_hidden,
+        student_weight,
+        (teacher_hidden,),
+        (teacher_weight, beta, temperature, clip, clip_mode),
+        chunk_size,
+    )

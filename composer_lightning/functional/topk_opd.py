@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_choice, check_range, shape_str
+from .chunked import lm_head_in_chunks
 from .logprobs import scaled_logits
 
 SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
@@ -95,8 +95,8 @@ def logprobs_at_given_lse(
     return scaled_logits(logits, temperature) - lse[:, None]
 
 
-def _chunk_logprobs_at(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float) -> Tensor:
-    x = scaled_logits(hidden @ weight.T, temperature)  # [n, V]
+def _chunk_logprobs_at(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
+    x = scaled_logits(logits, temperature)  # [n, V]
     return x.gather(-1, ids) - torch.logsumexp(x, dim=-1, keepdim=True)
 
 
@@ -108,21 +108,10 @@ def chunked_logprobs_at(
     chunk_size: int,
 ) -> Tensor:  # [N, K]
     """Global log-probs of `softmax(hidden @ weight.T / temperature)` at `ids`, with grad, in
-    checkpointed chunks of tokens (only one chunk's `[n, V]` logits alive at a time)."""
+    recomputed chunks of tokens (only one chunk's `[n, V]` logits alive at a time)."""
     if hidden.shape[0] != ids.shape[0]:
         raise ValueError(f"ids {shape_str(ids)} must have a row per hidden row {shape_str(hidden)}")
-    pieces = [
-        checkpoint(
-            _chunk_logprobs_at,
-            hidden[i : i + chunk_size],
-            weight,
-            ids[i : i + chunk_size],
-            temperature,
-            use_reentrant=False,
-        )
-        for i in range(0, max(hidden.shape[0], 1), chunk_size)  # one (empty) chunk: attached
-    ]
-    return torch.cat(pieces)
+    return lm_head_in_chunks(_chunk_logprobs_at, hidden, weight, (ids,), (temperature,), chunk_size)
 
 
 def candidate_overlap(

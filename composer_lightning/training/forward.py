@@ -78,7 +78,7 @@ def score_tokens(
         mask: `[B, T]` the tokens whose log-probs (entropies) are computed, e.g. the response
             tokens; the others are 0 and cost no LM-head work. None: every token.
         entropy: also compute entropies. hidden: also return the shifted hidden states.
-        chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
+        chunk_size: tokens per LM-head chunk; None: ≈ 16 MiB of fp32 logits per chunk.
         final: `([B, T, H] final hidden states, [V, H] LM head)` to score instead of running
             `model` (a micro-batched step's states kept as leaves, `accumulate.py`).
     """
@@ -148,7 +148,7 @@ class Forwards:
         reference: the frozen reference model, or None.
         teacher: the frozen teacher, or None: the live policy on the hinted contexts.
         temperature: the sampling temperature (log-probs of `logits / temperature`).
-        chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
+        chunk_size: tokens per LM-head chunk; None: ≈ 16 MiB of fp32 logits per chunk.
         entropy: the policy forward computes entropies (an entropy bonus reads them).
         topk: k of the top-k values heads read (`teacher_topk`: top-k OPD); 0: none.
     """

@@ -44,6 +44,7 @@ from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import RolloutTargets, StepContext
 from composer_lightning.runtime.distributed import StepMetrics, agree, full
 from composer_lightning.runtime.inputs import check_trainer_options
+from composer_lightning.runtime.malloc import fix_mmap_threshold
 from composer_lightning.runtime.resume import (
     ConfiguredOptimizer,
     leave_frozen_out,
@@ -134,7 +135,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             per optimizer step. None: no token budget (verl's `ppo_max_token_len_per_gpu`).
         micro_batch_size: rows per forward (TRL's `per_device_train_batch_size` within a
             minibatch); None: no row limit. Both None: one forward per minibatch.
-        chunk_size: tokens per LM-head chunk; None: ≈ 64 MiB of fp32 logits per chunk.
+        chunk_size: tokens per LM-head chunk; None: ≈ 16 MiB of fp32 logits per chunk.
         activation_checkpointing: keep only each decoder layer's input for the backward and
             recompute the rest (HF gradient checkpointing): far less activation memory for
             about one more forward of the layers.
@@ -234,6 +235,10 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         return self.objective.heads
 
     # ----------------------------------------------------------------- setup
+    def setup(self, stage: str) -> None:
+        # freed [chunk, V] logits and [V, H] gradients go back to the OS (runtime/malloc.py)
+        fix_mmap_threshold()
+
     def configure_model(self) -> None:
         """FSDP2 under ModelParallelStrategy: the policy (`models.sharding.shard_fsdp2`) and the
         frozen reference and teacher (`shard_frozen`), each rank holding 1/N of every model; a

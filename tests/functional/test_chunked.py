@@ -185,8 +185,8 @@ def test_chunked_jsd_half_precision_and_no_grad():
 
 
 def test_chunked_jsd_saves_no_vocabulary_sized_tensor_for_backward():
-    """Between forward and backward autograd holds only each chunk's inputs ([chunk, H] rows
-    and the two weights); the full-logits path holds [N, V] tensors."""
+    """Between forward and backward autograd holds only the inputs ([N, H] rows and the two
+    weights); the full-logits path holds [N, V] tensors."""
     n, v, chunk = 40, 50, 8
     sh, sw, th, tw = jsd_inputs(n=n, h=3, h_teacher=3, v=v)
     sizes = []
@@ -198,7 +198,7 @@ def test_chunked_jsd_saves_no_vocabulary_sized_tensor_for_backward():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         chunked_generalized_jsd(sh, sw, th, tw, chunk_size=chunk, clip=0.1)
-    assert max(sizes) == chunk * 3 < v
+    assert max(sizes) == n * 3 < n * v
     sizes.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         generalized_jsd_per_token(sh @ sw.T, th @ tw.T, clip=0.1)
@@ -244,6 +244,73 @@ def test_chunked_jsd_peak_logits_do_not_grow_with_tokens():
 
     assert peak(3 * chunk, chunked) == peak(12 * chunk, chunked) < 3 * chunk * 12
     assert peak(12 * chunk, full) > 12 * chunk * 4  # several [N, V] tensors
+
+
+class WeightShaped(TorchDispatchMode):
+    """Counts the tensors of one shape (the LM head's `[V, H]`) that operators create."""
+
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.is_mutable:  # in place (addmm_, add_): writes an existing tensor
+            return out
+        self.count += sum(
+            isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape for t in tree_leaves(out)
+        )
+        return out
+
+
+@pytest.mark.parametrize("which", ["logprobs", "entropy", "jsd", "topk"])
+def test_chunked_backward_makes_one_weight_gradient_whatever_the_chunks(which):
+    """The backward sums every chunk's `[V, H]` weight gradient in place into one buffer: one
+    `[V, H]`-shaped tensor is created for 1 chunk and for 12 (autograd per checkpointed chunk
+    made a new one per chunk, and a new sum per chunk)."""
+    from composer_lightning.functional.topk_opd import chunked_logprobs_at
+
+    v, h, n = 50, 3, 24
+    sh, sw, th, tw = jsd_inputs(n=n, h=h, h_teacher=h, v=v)
+    ids = torch.randint(0, v, (n, 4), generator=torch.Generator().manual_seed(0))
+    fns = {
+        "logprobs": lambda c: chunked_logprobs_from_hidden(sh[None], sw, ids[None, :, 0], 1.0, c),
+        "entropy": lambda c: chunked_entropy_from_hidden(sh[None], sw, 1.0, c),
+        "jsd": lambda c: chunked_generalized_jsd(sh, sw, th, tw, chunk_size=c)[0],
+        "topk": lambda c: chunked_logprobs_at(sh, sw, ids, 1.0, c),
+    }
+    counts, grads = [], []
+    for chunk in (n, 2):
+        out = fns[which](chunk)
+        mode = WeightShaped(sw.shape)
+        with mode:
+            (grad,) = torch.autograd.grad(out.sum(), sw)
+        counts.append(mode.count)
+        grads.append(grad)
+    assert counts == [1, 1]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+
+
+def test_chunked_under_autocast_matches_autocast_on_full_logits():
+    """Under bf16 autocast the LM head's matmuls run in bf16 as autocast runs them (and the
+    fp32 weight's gradient comes back fp32): values and gradients equal the full-logits path
+    under the same autocast to bf16's resolution."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 6, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, requires_grad=True)
+    ids = torch.randint(0, 40, (2, 6), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunked_logprobs_from_hidden(hidden, weight, ids, chunk_size=3)
+        want = logprobs_from_logits(hidden @ weight.T, ids)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    g_got = torch.autograd.grad(got.sum(), (hidden, weight))
+    g_want = torch.autograd.grad(want.sum(), (hidden, weight))
+    for a, b in zip(g_got, g_want, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match=r"hidden \(torch.float32\) and lm_head_weight"):
+        chunked_logprobs_from_hidden(hidden, weight.double(), ids)
 
 
 @pytest.mark.parametrize(
