@@ -1,7 +1,7 @@
 """Peak memory and time of one training step, chunked (the module) vs full `[B, T, V]` logits.
 
     python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2] [--hidden 896]
-    python bench/memory.py --shapes 16x160 --hidden 64 --heap-baseline
+    python bench/memory.py --shapes 16x160 --hidden 64 --mmap-threshold
     python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512]
     python bench/memory.py --smoke [--micro-rows 4]
 
@@ -30,9 +30,11 @@ in this machine's memory are estimated (marked "est.") from the smaller shape, l
 B·T.
 
 `--hidden N`: the policy's hidden size (Qwen's vocabulary kept; MLP and heads as `--smoke`'s when
-N < 896), to see the logits path beside a small state. `--heap-baseline`: also the chunked
-path with glibc's default heap (the module fixes the mmap threshold, `runtime/malloc.py`), so the
-run shows what that buys.
+N < 896), to see the logits path beside a small state. `--mmap-threshold`: also the chunked
+path with glibc's mmap threshold fixed at 1 MiB (`MALLOC_MMAP_THRESHOLD_=1048576`). By default
+glibc raises the threshold to each freed mapping's size (up to 32 MiB), and later mid-size
+tensors come from a heap that fragments and does not shrink; fixed, they are mapped and
+unmapped each time: less resident memory, more page faults.
 
 `--micro-rows`: the same step on rollout batches of growing size at a fixed length, one forward
 per minibatch vs micro-batches under a fixed token budget (`max_tokens_per_micro_batch`): the
@@ -212,10 +214,6 @@ def worker(
 ) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    if path == "chunked-glibc":  # glibc's own mmap threshold, as before runtime/malloc.py
-        import composer_lightning.training.module as module_file
-
-        module_file.fix_mmap_threshold = lambda: False
     policy = Qwen2ForCausalLM(Qwen2Config(**widths, max_position_embeddings=4096)).train()
     replay = ReplayDPOHead(weight=0.05, pairs_per_step=4)
     heads = [
@@ -296,6 +294,9 @@ def run(
     hidden: int | None = None,
 ) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if path == "chunked-mmap":  # glibc's mmap threshold fixed: freed tensors leave the process
+        env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
+        path = "chunked"
     proc = subprocess.run(
         [
             sys.executable,
@@ -360,9 +361,9 @@ def main() -> None:
         "heads of --smoke)",
     )
     ap.add_argument(
-        "--heap-baseline",
+        "--mmap-threshold",
         action="store_true",
-        help="also the chunked path with glibc's default mmap threshold",
+        help="also the chunked path with MALLOC_MMAP_THRESHOLD_=1048576 (glibc)",
     )
     ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -385,10 +386,10 @@ def main() -> None:
         copy_gib = B * T * widths["vocab_size"] * 4 / GiB
         ckpt = not args.no_checkpointing
         chunked = run("chunked", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden)
-        heap = None
-        if args.heap_baseline:
-            heap = run(
-                "chunked-glibc", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden
+        mmapped = None
+        if args.mmap_threshold:
+            mmapped = run(
+                "chunked-mmap", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden
             )
         full = None
         if first_full is not None:
@@ -407,9 +408,9 @@ def main() -> None:
             full = run("full", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden)
             if "error" not in full and first_full is None:
                 first_full = full
-        rows.append((shape, copy_gib, chunked, full, heap))
+        rows.append((shape, copy_gib, chunked, full, mmapped))
         print(
-            json.dumps({"shape": shape, "chunked": chunked, "full": full, "heap": heap}),
+            json.dumps({"shape": shape, "chunked": chunked, "full": full, "mmap": mmapped}),
             file=sys.stderr,
         )
     print(
@@ -436,22 +437,24 @@ def main() -> None:
             f"{c['peak_GiB']:.2f} GiB | {f['step_s']:.1f}{est} | "
             f"{c['step_s']:.1f} | {c['step_s'] / f['step_s']:.2f}{est} | {loss_f} | {c['losses'][0]:.6f} |"
         )
-    heaps = [(shape, c, h) for shape, _, c, _, h in rows if h is not None]
-    if heaps:
-        print("\nThe chunked path with glibc's default heap (mmap threshold not fixed):")
+    fixed = [(shape, c, h) for shape, _, c, _, h in rows if h is not None]
+    if fixed:
+        print(
+            "\nThe chunked path with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_=1048576):"
+        )
         print(
             "| B x T | peak, glibc default | peak, fixed threshold | fixed / default | "
             "s/step default | s/step fixed | fixed / default time |"
         )
         print("|---|---|---|---|---|---|---|")
-        for shape, c, h in heaps:
+        for shape, c, h in fixed:
             if "error" in c or "error" in h:
                 print(f"| {shape} | error: {h.get('error') or c.get('error')} |")
                 continue
             print(
-                f"| {shape} | {h['peak_GiB']:.2f} GiB | {c['peak_GiB']:.2f} GiB | "
-                f"{c['peak_GiB'] / h['peak_GiB']:.2f} | {h['step_s']:.1f} | {c['step_s']:.1f} | "
-                f"{c['step_s'] / h['step_s']:.2f} |"
+                f"| {shape} | {c['peak_GiB']:.2f} GiB | {h['peak_GiB']:.2f} GiB | "
+                f"{h['peak_GiB'] / c['peak_GiB']:.2f} | {c['step_s']:.1f} | {h['step_s']:.1f} | "
+                f"{h['step_s'] / c['step_s']:.2f} |"
             )
 
 

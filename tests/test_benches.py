@@ -112,11 +112,11 @@ SMOKES = {
         (rf"^\| 0 \| 2 \| {NUM} \| {NUM} \| [+-]{NUM} \|", r"^criterion \(.*\): (MET|NOT MET)$"),
     ),
     # tiny widths, one 4 x 32 step: the module's chunked path and the full-logits reference,
-    # whose losses must agree, and the chunked path on glibc's default heap; then one forward
+    # whose losses must agree, and the chunked path with glibc's mmap threshold fixed; then one forward
     # against micro-batches
     "memory": Smoke(
         "memory.py",
-        "--smoke --heap-baseline",
+        "--smoke --mmap-threshold",
         (
             rf"^\| 4x32 \| .* \| (?P<full>{NUM}) \| (?P<chunked>{NUM}) \|$",
             rf"^\| 4x32 \| {NUM} GiB \| {NUM} GiB \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$",

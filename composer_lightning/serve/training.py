@@ -173,9 +173,11 @@ class ServeCallback(RolloutCallback):
 
     # ------------------------------------------------------------------ start and stop
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from composer_lightning.serve.app import make_app
+        """Start the engine and open the store. Serving waits for `on_train_start`: Lightning
+        restores a checkpoint (the weights, and this callback's `load_state_dict`) after
+        `setup`, so only then are the turns a lost step took known, and the weights to serve
+        pushed."""
         from composer_lightning.serve.backend import EngineBackend
-        from composer_lightning.serve.server import BackgroundServer
         from composer_lightning.serve.store import TurnStore
 
         if trainer.world_size > 1:
@@ -186,6 +188,14 @@ class ServeCallback(RolloutCallback):
         tokenizer = trainer.datamodule.tokenizer
         self.backend = EngineBackend(self.engine, tokenizer, context=EngineContext.current())
         self.store = TurnStore(self.store_path)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After the restore: push the (restored) weights, hand back the turns of steps no
+        checkpoint holds, then serve and judge."""
+        from composer_lightning.serve.app import make_app
+        from composer_lightning.serve.server import BackgroundServer
+
+        super().on_train_start(trainer, pl_module)  # the push: replies come from these weights
         reclaimed = self.store.reclaim(JUDGE)  # claimed before a crash, never judged: now
         if self._restored_trained is not None:  # a step no checkpoint holds: hand them back
             back = self.store.untrain(keep=self._restored_trained)

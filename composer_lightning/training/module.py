@@ -44,7 +44,6 @@ from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import RolloutTargets, StepContext
 from composer_lightning.runtime.distributed import StepMetrics, agree, full
 from composer_lightning.runtime.inputs import check_trainer_options
-from composer_lightning.runtime.malloc import fix_mmap_threshold
 from composer_lightning.runtime.resume import (
     ConfiguredOptimizer,
     leave_frozen_out,
@@ -235,10 +234,6 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         return self.objective.heads
 
     # ----------------------------------------------------------------- setup
-    def setup(self, stage: str) -> None:
-        # freed [chunk, V] logits and [V, H] gradients go back to the OS (runtime/malloc.py)
-        fix_mmap_threshold()
-
     def configure_model(self) -> None:
         """FSDP2 under ModelParallelStrategy: the policy (`models.sharding.shard_fsdp2`) and the
         frozen reference and teacher (`shard_frozen`), each rank holding 1/N of every model; a

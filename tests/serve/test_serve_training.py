@@ -46,7 +46,13 @@ def test_talking_to_the_endpoint_trains_the_policy_it_serves():
     assert figures["heldout_after"] > figures["heldout_before"], figures
 
 
-def _serve(workdir, env, *extra):
+CHECKPOINT_EVERY_STEP = (
+    '--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",'
+    ' "init_args": {"every_n_train_steps": 1, "save_last": true}}]'
+)
+
+
+def _serve(workdir, env, *extra, callbacks=CHECKPOINT_EVERY_STEP, batch_size=4):
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "composer_lightning", "serve",
@@ -54,10 +60,9 @@ def _serve(workdir, env, *extra):
             f"--trainer.default_root_dir={workdir}",
             f"--trainer.logger.init_args.save_dir={workdir}",
             f"--rollout.init_args.store={workdir}/turns.sqlite",
-            "--rollout.init_args.batch_size=4",
+            f"--rollout.init_args.batch_size={batch_size}",
             "--rollout.init_args.score=tests.serve.judged.LoggedFeedbackScore",
-            '--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",'
-            ' "init_args": {"every_n_train_steps": 1, "save_last": true}}]',
+            callbacks,
             *extra,
         ],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -71,18 +76,32 @@ def _serve(workdir, env, *extra):
     raise AssertionError(f"the server exited ({proc.wait()}) before it printed its address")
 
 
-def _talk(url, sessions, name):
-    client = openai.OpenAI(base_url=url, api_key="none")
+def _talk(url, sessions, name, until=None):
+    """`sessions` conversations of two turns, the first judged by the second (`until`: stop
+    talking once it is true, or once the server is gone)."""
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
     problem = {"messages": [{"role": "user", "content": "What is 4 + 18?"}], "answer": 22}
     for n in range(sessions):
-        first = talk.ask(client, problem["messages"], f"{name}-{n}")
+        if until is not None and until():
+            return
+        try:
+            first = talk.ask(client, problem["messages"], f"{name}-{n}")
+        except openai.APIConnectionError:
+            if until is None:
+                raise
+            return
         answer = first.choices[0].message.content or ""
         follow = [
             *problem["messages"],
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "No, that is wrong. Hint: the first digit is 2."},
         ]
-        talk.ask(client, follow, f"{name}-{n}", done=True, max_tokens=4)
+        try:
+            talk.ask(client, follow, f"{name}-{n}", done=True, max_tokens=4)
+        except openai.APIConnectionError:
+            if until is None:
+                raise
+            return
 
 
 def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
@@ -97,17 +116,27 @@ def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
         .execute("SELECT COUNT(*) FROM turns WHERE state IN ('recorded', 'ready', 'judging')")
         .fetchone()[0]
         > 2
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.1)  # most of them judged (two wait for their session's end)
+        or not any("last.ckpt" in fs for _, _, fs in os.walk(tmp_path))
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)  # most of them judged (two wait for their session's end), a step saved
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = sqlite3.connect(db).execute("SELECT id, state FROM turns").fetchall()
     judged_before = {i for i, s in before if s in ("judged", "trained", "dropped")}
     calls_before = log.read_text().split()
     (last,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "last.ckpt"]
+    import torch
+
+    restored = torch.load(last, map_location="cpu", weights_only=False)["composer"]
     proc, url = _serve(tmp_path, env, f"--ckpt_path={last}")
     try:
+        first = talk.ask(openai.OpenAI(base_url=url, api_key="none"), [{"role": "user", "content": "1 + 1?"}], "c", done=True)  # fmt: skip
+        # served only once the restored weights are in the engine (never the base weights)
+        assert (
+            int(first.system_fingerprint.removeprefix("weights-v"))
+            >= restored["policy_version"]
+            > 0
+        )
         _talk(url, 2, "b")
         time.sleep(1)
         after = sqlite3.connect(db).execute("SELECT id FROM turns").fetchall()
@@ -118,3 +147,46 @@ def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+
+
+def _trained(db: str) -> set[int]:
+    return {
+        i for (i,) in sqlite3.connect(db).execute("SELECT id FROM turns WHERE state = 'trained'")
+    }
+
+
+def _checkpointed(path: str) -> set[int]:
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)["callbacks"]
+    (serve,) = [v for k, v in state.items() if k.startswith("ServeCallback")]
+    return set(serve["trained"])
+
+
+def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_path):
+    """A checkpoint every 10 steps, kill -9 when step 14 starts: the turns steps 11-13 took are
+    handed back after the restore, and the resumed steps 11-13 train on them; at the end the
+    store's trained turns are exactly the checkpoint's."""
+    env = {"JUDGED_LOG": str(tmp_path / "judged.log")}
+    callbacks = (
+        '--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",'
+        ' "init_args": {"every_n_train_steps": 10, "save_last": true}},'
+        ' {"class_path": "tests.helpers.SignalAt", "init_args": {"step": 13, "signum": 9}}]'
+    )
+    proc, url = _serve(tmp_path, env, callbacks=callbacks, batch_size=1)
+    _talk(url, 40, "a", until=lambda: proc.poll() is not None)
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    db = str(tmp_path / "turns.sqlite")
+    (last,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "last.ckpt"]
+    kept, taken = _checkpointed(last), _trained(db)
+    assert len(kept) == 10 and kept < taken and len(taken) >= 13  # steps 11-13 took turns
+    proc, url = _serve(
+        tmp_path, env, f"--ckpt_path={last}", "--trainer.max_steps=13", callbacks=callbacks,
+        batch_size=1,
+    )  # fmt: skip
+    assert proc.wait(timeout=300) == 0
+    lasts = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "last.ckpt"]
+    last = max(lasts, key=os.path.getmtime)  # the resumed run's
+    after = _trained(db)
+    assert after == _checkpointed(last), "the store's trained turns are the checkpoint's"
+    assert len(after) == 13 and kept < after
