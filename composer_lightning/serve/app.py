@@ -130,7 +130,8 @@ def make_app(
             an empty next state (`TurnStore.expire`, checked every quarter of it); None: only
             `session_done` ends a session.
         disconnect_poll_s: how often a generation checks whether its client is still there.
-        train_sampling: the sampling training rollouts use: a turn sampled otherwise (another
+        train_sampling: the sampling training rollouts use (its temperature is also the default
+            of a request that names none): a turn sampled otherwise (another
             temperature, top_p < 1, greedy) is recorded and dropped at once ("sampling"), since
             its log-probs are not those the trainer computes; None: every turn is trainable.
     """
@@ -156,6 +157,7 @@ def make_app(
     app = FastAPI(title="composer_lightning serve", lifespan=lifespan, openapi_url=None)
     app.state.metrics = metrics = ServeMetrics()
     limiter = _RateLimiter(rate_limit_per_minute) if rate_limit_per_minute else None
+    default_temperature = 1.0 if train_sampling is None else train_sampling.temperature
     created = int(time.time())
 
     def error(e: ApiError) -> JSONResponse:
@@ -207,7 +209,9 @@ def make_app(
         req = parse_request(body, dict(request.headers), max_n=max_n)
         _check_model(req.model, model_name)
         prompt_ids = _render(backend.tokenizer, req)
-        sampling = _sampling(req, len(prompt_ids), backend.max_context, default_max_tokens)
+        sampling = _sampling(
+            req, len(prompt_ids), backend.max_context, default_max_tokens, default_temperature
+        )
         await run_in_threadpool(store.attach_next_state, req.session, req.messages)
         generation = asyncio.ensure_future(
             run_in_threadpool(backend.generate, prompt_ids, req.n, sampling)
@@ -222,13 +226,13 @@ def make_app(
             *(_cut_at_stop(backend.tokenizer, c, req.stop) for c in completions), strict=True
         )
         first = kept[0]
-        turn_id = await run_in_threadpool(
+        untrainable = train_sampling is not None and not _trainable(sampling, train_sampling)
+        await run_in_threadpool(
             store.record, req.session, req.messages, prompt_ids, first.token_ids,
             choices[0].text, first.logprobs, version, req.tools,
+            "sampling" if untrainable else None,
         )  # fmt: skip
         metrics.turns_recorded += 1
-        if train_sampling is not None and not _trainable(sampling, train_sampling):
-            await run_in_threadpool(store.drop, turn_id, "sampling")
         if req.session_done:
             await run_in_threadpool(store.end_session, req.session)
         n_out = sum(len(c.token_ids) for c in kept)
@@ -305,7 +309,11 @@ def _render(tokenizer: Any, req: ChatRequest) -> list[int]:
 
 
 def _sampling(
-    req: ChatRequest, prompt_len: int, max_context: int | None, default_max_tokens: int
+    req: ChatRequest,
+    prompt_len: int,
+    max_context: int | None,
+    default_max_tokens: int,
+    default_temperature: float = 1.0,
 ) -> SamplingConfig:
     room = None if max_context is None else max_context - prompt_len
     max_tokens = req.max_tokens
@@ -317,8 +325,9 @@ def _sampling(
     if max_tokens is None:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
     greedy = req.top_p == 0  # OpenAI accepts top_p=0: only the most likely token
+    temperature = default_temperature if req.temperature is None else req.temperature
     return SamplingConfig(
-        temperature=0.0 if greedy else req.temperature,
+        temperature=0.0 if greedy else temperature,
         top_p=1.0 if greedy else req.top_p,
         max_tokens=max_tokens,
         seed=req.seed,

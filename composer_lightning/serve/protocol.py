@@ -78,7 +78,7 @@ class ChatRequest:
     model: str
     n: int
     max_tokens: int | None
-    temperature: float
+    temperature: float | None  # None: the server's default (the training temperature)
     top_p: float
     stop: list[str]
     seed: int | None
@@ -99,7 +99,9 @@ def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int 
     return value
 
 
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
+def _number(
+    body: dict[str, Any], key: str, lo: float, hi: float, default: float | None
+) -> float | None:
     value = body.get(key)
     if value is None:
         return default
@@ -191,7 +193,7 @@ def parse_request(body: Any, headers: dict[str, str], *, max_n: int) -> ChatRequ
         model=model,
         n=_int(body, "n", 1, max_n) or 1,
         max_tokens=max_tokens if max_tokens is not None else _int(body, "max_tokens", 1),
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        temperature=_number(body, "temperature", 0.0, 2.0, None),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
         stop=_stop(body.get("stop")),
         seed=_int(body, "seed", -(2**63)),

@@ -173,8 +173,12 @@ class TurnStore:
         logprobs: list[float],
         version: int,
         tools: list[dict[str, Any]] | None = None,
+        drop_reason: str | None = None,
     ) -> int:
-        """Store a served turn as the session's next one; returns its id once it is on disk."""
+        """Store a served turn as the session's next one; returns its id once it is on disk.
+
+        `drop_reason`: the turn is recorded as dropped for this reason, in the same transaction
+        (a turn that must not be trained on is never, even for an instant, trainable)."""
         if len(logprobs) != len(response_ids):
             raise ValueError(
                 f"record: {len(logprobs)} log-probs for {len(response_ids)} response tokens"
@@ -185,8 +189,8 @@ class TurnStore:
             ).fetchone()
             cur = db.execute(
                 "INSERT INTO turns (session, turn_index, messages, tools, prompt_ids, "
-                "response_ids, response_text, logprobs, version, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "response_ids, response_text, logprobs, version, created, state, drop_reason) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     session,
                     0 if last is None else last + 1,
@@ -198,6 +202,8 @@ class TurnStore:
                     json.dumps([float(x) for x in logprobs]),
                     int(version),
                     time.time(),
+                    "recorded" if drop_reason is None else "dropped",
+                    drop_reason,
                 ),
             )
             return int(cur.lastrowid)
