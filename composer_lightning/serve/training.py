@@ -26,6 +26,7 @@ checkpoint holds are handed back to training.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import provider_values
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.runtime.errors import ConfigError
+from composer_lightning.runtime.rundir import run_dir
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,9 @@ class ServeCallback(RolloutCallback):
 
     Args:
         engine: the policy's engine (started in `setup`; serves every request).
-        store: the SQLite file of served turns (created if missing; kept across restarts).
+        store: the SQLite file of served turns (created, with its directory, if missing; kept
+            across restarts). None: `turns.sqlite` beside the run's versions, in the logger's
+            `<save_dir>/<name>` (else `trainer.default_root_dir`), which a restart shares.
         batch_size: B, judged turns per optimizer step.
         sampling: the training sampling (temperature, max_tokens default of a request);
             a request that asks for nothing else samples with it and is trained on.
@@ -130,7 +134,7 @@ class ServeCallback(RolloutCallback):
     def __init__(
         self,
         engine: RolloutEngine,
-        store: str = "serve_turns.sqlite",
+        store: str | None = None,
         batch_size: int = 8,
         sampling: SamplingConfig | None = None,
         score: ScoreProvider | None = None,
@@ -187,7 +191,7 @@ class ServeCallback(RolloutCallback):
         super().setup(trainer, pl_module, stage)  # temperature, engine start
         tokenizer = trainer.datamodule.tokenizer
         self.backend = EngineBackend(self.engine, tokenizer, context=EngineContext.current())
-        self.store = TurnStore(self.store_path)
+        self.store = TurnStore(store_file(trainer, self.store_path))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After the restore: push the (restored) weights, hand back the turns of steps no
@@ -379,6 +383,16 @@ class ServeCallback(RolloutCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._trained = list(state_dict.get("trained", []))
         self._restored_trained = list(self._trained)
+
+
+def store_file(trainer: L.Trainer, store: str | None) -> str:
+    """The store's path (`store`, or `turns.sqlite` in the run's parent directory), its
+    directory made if missing."""
+    if store is None:
+        parent = os.path.dirname(run_dir(trainer)) if trainer.loggers else None
+        store = os.path.join(parent or trainer.default_root_dir, "turns.sqlite")
+    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+    return store
 
 
 def _signalled(trainer: L.Trainer) -> bool:

@@ -190,3 +190,23 @@ def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_p
     after = _trained(db)
     assert after == _checkpointed(last), "the store's trained turns are the checkpoint's"
     assert len(after) == 13 and kept < after
+
+
+def test_the_store_defaults_to_the_run_directory_and_its_directory_is_made(tmp_path):
+    """No `rollout.store`: `turns.sqlite` in the logger's `<save_dir>/<name>` (shared by the
+    versions a restart makes), else in `default_root_dir`; a given path's missing directory is
+    made (the shipped config's relative store crashed a fresh clone)."""
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from composer_lightning.serve.training import store_file
+
+    logged = L.Trainer(
+        default_root_dir=tmp_path / "root", logger=TensorBoardLogger(tmp_path / "runs", "serve")
+    )
+    assert store_file(logged, None) == str(tmp_path / "runs" / "serve" / "turns.sqlite")
+    assert (tmp_path / "runs" / "serve").is_dir()
+    bare = L.Trainer(default_root_dir=tmp_path / "root", logger=False)
+    assert store_file(bare, None) == str(tmp_path / "root" / "turns.sqlite")
+    given = tmp_path / "a" / "b" / "turns.sqlite"
+    assert store_file(bare, str(given)) == str(given) and given.parent.is_dir()
