@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from collections import Counter, defaultdict, deque
@@ -106,7 +107,7 @@ def make_app(
     store: TurnStore,
     *,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     max_request_bytes: int = 4 * 2**20,
     rate_limit_per_minute: int | None = None,
     max_n: int = 8,
@@ -121,9 +122,13 @@ def make_app(
         backend: what generates (`EngineBackend`).
         store: where served turns are recorded.
         model_name: the one model id served (`/v1/models`); requests must name it.
-        api_key: the bearer token clients must send; None: no authentication.
+        api_key: the bearer token clients must send, or a list of them (one per client); None:
+            no authentication. A session belongs to the bearer token of its first request
+            (whatever it is, also without `api_key`): a request with another token for it is
+            refused (403), so no other client can score, continue or end it.
         max_request_bytes: larger bodies are refused with 413.
-        rate_limit_per_minute: requests per client address per minute (429 beyond); None: off.
+        rate_limit_per_minute: requests per client (its bearer token; without one, its address)
+            per minute (429 beyond); None: off.
         max_n: the largest `n` accepted.
         default_max_tokens: reply length when a request gives none (cut to the context left).
         session_timeout_s: a recorded turn with no next request within this many seconds gets
@@ -180,9 +185,15 @@ def make_app(
         msg = f"the server failed: {type(e).__name__}: {e}"
         return error(ApiError(500, msg, type="server_error"))
 
-    def authorize(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+    keys = None if api_key is None else {api_key} if isinstance(api_key, str) else set(api_key)
+
+    def authorize(request: Request) -> str:
+        """The request's bearer token ("" without one), checked against the keys."""
+        header = request.headers.get("authorization") or ""
+        token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
+        if keys is not None and token not in keys:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return token
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
@@ -198,9 +209,10 @@ def make_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         metrics.requests += 1
-        authorize(request)
-        client = request.client.host if request.client else "unknown"
-        if limiter is not None and not limiter.allow(client):
+        token = authorize(request)
+        owner = hashlib.sha256(token.encode()).hexdigest()  # the store keeps no key
+        address = request.client.host if request.client else "unknown"
+        if limiter is not None and not limiter.allow(owner if token else f"address {address}"):
             raise ApiError(
                 429, f"Rate limit reached: {limiter.per_minute} requests per minute.",
                 type="requests", code="rate_limit_exceeded",
@@ -212,7 +224,13 @@ def make_app(
         sampling = _sampling(
             req, len(prompt_ids), backend.max_context, default_max_tokens, default_temperature
         )
-        await run_in_threadpool(store.attach_next_state, req.session, req.messages)
+        if not req.side:
+            if not await run_in_threadpool(store.bind_session, req.session, owner):
+                raise ApiError(
+                    403, f"session {req.session!r} belongs to another API key",
+                    param="session_id", code="session_forbidden",
+                )  # fmt: skip
+            await run_in_threadpool(store.attach_next_state, req.session, req.messages)
         generation = asyncio.ensure_future(
             run_in_threadpool(backend.generate, prompt_ids, req.n, sampling)
         )
@@ -227,13 +245,14 @@ def make_app(
         )
         first = kept[0]
         untrainable = train_sampling is not None and not _trainable(sampling, train_sampling)
-        await run_in_threadpool(
-            store.record, req.session, req.messages, prompt_ids, first.token_ids,
-            choices[0].text, first.logprobs, version, req.tools,
-            "sampling" if untrainable else None,
-        )  # fmt: skip
-        metrics.turns_recorded += 1
-        if req.session_done:
+        if not req.side:  # a side turn (a judge's, a summary's) is served, never recorded
+            await run_in_threadpool(
+                store.record, req.session, req.messages, prompt_ids, first.token_ids,
+                choices[0].text, first.logprobs, version, req.tools,
+                "sampling" if untrainable else None,
+            )  # fmt: skip
+            metrics.turns_recorded += 1
+        if req.session_done and not req.side:
             await run_in_threadpool(store.end_session, req.session)
         n_out = sum(len(c.token_ids) for c in kept)
         usage = {

@@ -20,6 +20,9 @@ from openai.types.chat.completion_create_params import CompletionCreateParamsBas
 
 SESSION_HEADER = "x-session-id"
 SESSION_DONE_HEADER = "x-session-done"
+#: OpenClaw-RL's turn types: "main" turns are recorded and trained on; "side" turns (a judge's,
+#: a summariser's, any auxiliary call of the harness) are served and never recorded
+TURN_TYPE_HEADER = "x-turn-type"
 CLIENT_FIELDS = frozenset(
     CompletionCreateParamsBase.__required_keys__ | CompletionCreateParamsBase.__optional_keys__
 )
@@ -69,8 +72,10 @@ class ChatRequest:
         max_tokens: the most reply tokens asked for; None: the server's default.
         stop: stop strings (up to 4).
         include_usage: a streamed reply ends with a usage chunk.
-        session: the session id (header `X-Session-Id` or field `session_id`).
+        session: the session id (header `X-Session-Id` or field `session_id`); "" for a side
+            turn without one.
         session_done: this is the session's last request.
+        side: a side turn (`X-Turn-Type: side`): served, never recorded.
     """
 
     messages: list[dict[str, Any]]
@@ -87,6 +92,7 @@ class ChatRequest:
     include_usage: bool
     session: str
     session_done: bool
+    side: bool = False
 
 
 def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
@@ -139,14 +145,14 @@ def _stop(value: Any) -> list[str]:
     return list(stops)
 
 
-def _session(body: dict[str, Any], headers: dict[str, str]) -> tuple[str, bool]:
+def _session(body: dict[str, Any], headers: dict[str, str], side: bool = False) -> tuple[str, bool]:
     header, field = headers.get(SESSION_HEADER), body.get("session_id")
     if field is not None and (not isinstance(field, str) or not field):
         raise _bad("session_id", f"'session_id' must be a non-empty string, got {field!r}")
     if header and field and header != field:
         raise _bad("session_id", f"header X-Session-Id {header!r} != body session_id {field!r}")
     session = header or field
-    if not session:
+    if not session and not side:
         raise _bad("session_id", "a session id is required: header X-Session-Id or 'session_id'")
     done = body.get("session_done") or False
     if not isinstance(done, bool):
@@ -186,7 +192,10 @@ def parse_request(body: Any, headers: dict[str, str], *, max_n: int) -> ChatRequ
     if user is not None and not isinstance(user, str):
         raise _bad("user", f"'user' must be a string, got {user!r}")
     max_tokens = _int(body, "max_completion_tokens", 1)
-    session, session_done = _session(body, headers)
+    turn_type = headers.get(TURN_TYPE_HEADER, "main").lower()
+    if turn_type not in ("main", "side"):
+        raise _bad("X-Turn-Type", f"header X-Turn-Type must be 'main' or 'side', got {turn_type!r}")
+    session, session_done = _session(body, headers, side=turn_type == "side")
     return ChatRequest(
         messages=[_message(i, m) for i, m in enumerate(messages)],
         tools=tools or None,
@@ -200,8 +209,9 @@ def parse_request(body: Any, headers: dict[str, str], *, max_n: int) -> ChatRequ
         user=user,
         stream=bool(body.get("stream")),
         include_usage=bool(options.get("include_usage", False)),
-        session=session,
+        session=session or "",
         session_done=session_done,
+        side=turn_type == "side",
     )
 
 

@@ -59,6 +59,10 @@ CREATE TABLE IF NOT EXISTS turns (
 );
 CREATE INDEX IF NOT EXISTS turns_state ON turns (state, id);
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session, turn_index);
+CREATE TABLE IF NOT EXISTS sessions (
+    session TEXT PRIMARY KEY,
+    owner TEXT NOT NULL
+);
 """
 
 _JSON_FIELDS = ("messages", "tools", "prompt_ids", "response_ids", "logprobs", "next_state")
@@ -207,6 +211,16 @@ class TurnStore:
                 ),
             )
             return int(cur.lastrowid)
+
+    def bind_session(self, session: str, owner: str) -> bool:
+        """Bind `session` to `owner` at its first request; whether `owner` holds it (a session
+        another owner holds is refused: nobody else can score, continue or end it)."""
+        with self._write() as db:
+            row = db.execute("SELECT owner FROM sessions WHERE session = ?", (session,)).fetchone()
+            if row is None:
+                db.execute("INSERT INTO sessions (session, owner) VALUES (?, ?)", (session, owner))
+                return True
+            return row[0] == owner
 
     def attach_next_state(self, session: str, messages: list[dict[str, Any]]) -> int | None:
         """Give the session's latest `recorded` turn that `messages` continues its next state.

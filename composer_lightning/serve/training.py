@@ -122,8 +122,9 @@ class ServeCallback(RolloutCallback):
         hint_role: role of the message that carries the hint.
         max_staleness: judged turns sampled more than this many versions ago are dropped.
         host, port: where to listen (127.0.0.1; port 0: a free one, printed at start).
-        api_key: the bearer token clients must send; None: none (bound to 127.0.0.1 only,
-            by default).
+        api_key: the bearer token clients must send, or one per client (a session belongs to
+            the token of its first request; rate limits are per token); None: none (bound to
+            127.0.0.1 only, by default).
         model_name: the model id served at `/v1/models`.
         max_request_bytes, rate_limit_per_minute: request limits (413, 429).
         session_timeout_s: a turn whose session sends nothing more for this long is judged
@@ -143,7 +144,7 @@ class ServeCallback(RolloutCallback):
         max_staleness: int = 4,
         host: str = "127.0.0.1",
         port: int = 0,
-        api_key: str | None = None,
+        api_key: str | list[str] | None = None,
         model_name: str = "policy",
         max_request_bytes: int = 4 * 2**20,
         rate_limit_per_minute: int | None = None,

@@ -369,3 +369,51 @@ def test_the_training_sampling_is_the_default_and_an_untrainable_turn_is_recorde
     controls = set(served.tok.added_tokens_decoder)
     neutral = render_ids(served.tok, [{"role": "user", "content": "x"}], True)
     assert [i for i in default.prompt_ids if i in controls] == [i for i in neutral if i in controls]
+
+
+def test_a_session_belongs_to_its_key_limits_are_per_key_and_side_turns_are_not_recorded(
+    served, tmp_path
+):
+    """Two clients with their own keys: the second cannot continue, score or end the first's
+    session (403, nothing recorded or ended), each has its own rate-limit bucket, a wrong key
+    is refused; a side turn (`X-Turn-Type: side`) is served without a session and not
+    recorded."""
+    store = TurnStore(tmp_path / "turns.db")
+    app = make_app(
+        served.backend, store, model_name=MODEL, api_key=["key-a", "key-b"], rate_limit_per_minute=3
+    )
+    messages = [{"role": "user", "content": "What is 1 + 2?"}]
+
+    def ask(client, session, **extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"session_id": session},
+            **extra,
+        )  # fmt: skip
+
+    with BackgroundServer(app) as server:
+        a, b, c = (
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key=k, max_retries=0)
+            for k in ("key-a", "key-b", "key-c")
+        )
+        ask(a, "mine")
+        reply = [*messages, {"role": "assistant", "content": "3"}, {"role": "user", "content": "Correct"}]  # fmt: skip
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            b.chat.completions.create(
+                model=MODEL, messages=reply, max_tokens=2,
+                extra_body={"session_id": "mine", "session_done": True},
+            )  # fmt: skip
+        assert e.value.body["code"] == "session_forbidden"
+        (turn,) = store.session_turns("mine")
+        assert turn.state == "recorded" and turn.next_state is None  # b neither scored nor ended
+        with pytest.raises(openai.AuthenticationError):
+            ask(c, "other")
+        ask(b, "theirs")  # b's own bucket: 2 of 3 used (the refused one counted)
+        side = b.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_headers={"X-Turn-Type": "side"}
+        )
+        assert side.choices[0].message.content is not None
+        with pytest.raises(openai.RateLimitError):
+            ask(b, "theirs")
+        ask(a, "mine2")  # a's bucket is its own
+    assert {t.session for t in store.session_turns("theirs")} == {"theirs"}
+    assert store.counts()["sessions"] == 3  # mine, theirs, mine2: the side turn made none
