@@ -308,16 +308,7 @@ class ServeCallback(RolloutCallback):
     ) -> None:
         start = time.perf_counter()
         version = pl_module.policy_version
-        turns: list[Any] = []
-        while len(turns) < self.batch_size:
-            if _signalled(trainer):  # stop while waiting: the last whole step is saved
-                raise SIGTERMException()
-            taken = self.store.take_judged(
-                self.batch_size - len(turns), min_version=version - self.stale_limit
-            )
-            turns += taken
-            if not taken:
-                time.sleep(self.poll_s)
+        turns = self.take(trainer, version)
         self._trained += [t.id for t in turns]
         tokenizer = trainer.datamodule.tokenizer
         rollout = self.samples(turns, tokenizer)
@@ -351,6 +342,22 @@ class ServeCallback(RolloutCallback):
         rollout.metrics = metrics
         batch["rollout"] = rollout.to(pl_module.device)
         trainer.datamodule.consumed = int(batch["index"]) + 1
+
+    def take(self, trainer: L.Trainer, version: int) -> list[Any]:
+        """`batch_size` judged turns for a step at policy `version`, oldest first, waiting for
+        them (serving all the while); turns more than `max_staleness` versions old are dropped
+        on the way ("stale")."""
+        turns: list[Any] = []
+        while len(turns) < self.batch_size:
+            if _signalled(trainer):  # stop while waiting: the last whole step is saved
+                raise SIGTERMException()
+            taken = self.store.take_judged(
+                self.batch_size - len(turns), min_version=version - self.stale_limit
+            )
+            turns += taken
+            if not taken:
+                time.sleep(self.poll_s)
+        return turns
 
     def samples(self, turns: list[Any], tokenizer: Any) -> RolloutBatch:
         """The rollout batch of judged `turns`: one sample (and group) each, with its engine

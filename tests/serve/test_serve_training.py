@@ -210,3 +210,41 @@ def test_the_store_defaults_to_the_run_directory_and_its_directory_is_made(tmp_p
     assert store_file(bare, None) == str(tmp_path / "root" / "turns.sqlite")
     given = tmp_path / "a" / "b" / "turns.sqlite"
     assert store_file(bare, str(given)) == str(given) and given.parent.is_dir()
+
+
+def test_a_step_drops_stale_turns_and_stamps_the_batch_with_its_oldest_version(tmp_path):
+    """At policy version 6 with max_staleness 4 a turn of version 1 is dropped ("stale") and
+    turns of versions 5 and 3 are taken; their batch carries version 3 (its oldest), so every
+    row is importance-corrected against its own engine log-probs."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from composer_lightning.chat import render_ids
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.models.tiny import tiny_policy_path
+    from composer_lightning.serve.store import TurnStore
+    from composer_lightning.serve.training import ServeCallback
+    from composer_lightning.tasks.feedback import FeedbackScore
+
+    tok = AutoTokenizer.from_pretrained(tiny_policy_path())
+    cb = ServeCallback(HFEngine(model_path=tiny_policy_path()), batch_size=2, score=FeedbackScore())
+    cb.store = TurnStore(tmp_path / "turns.sqlite")
+    messages = [{"role": "user", "content": "What is 1 + 2?"}]
+    prompt = render_ids(tok, messages, add_generation_prompt=True)
+    ids = {}
+    for version in (1, 5, 3):
+        ids[version] = cb.store.record(
+            f"s{version}", messages, prompt, [29, 1], "3", [-0.5, -0.1], version
+        )
+        cb.store.claim_ready(1, claimant="j")  # nothing is ready without a next state:
+        cb.store.end_session(f"s{version}")  # ending the session makes it ready
+        (turn,) = cb.store.claim_ready(1, claimant="j")
+        cb.store.set_judged(turn.id, 1.0, None, claimant="j")
+    trainer = SimpleNamespace(
+        callbacks=[], _signal_connector=SimpleNamespace(received_sigterm=False)
+    )
+    turns = cb.take(trainer, version=6)
+    assert [t.version for t in turns] == [5, 3]
+    assert cb.store.get(ids[1]).drop_reason == "stale"
+    assert cb.samples(turns, tok).policy_version == 3
