@@ -53,7 +53,7 @@ def worker(out: str, repeats: int, vocab: int, hidden: int) -> None:
         t0 = time.perf_counter()
         dist.all_gather_into_tensor(full, shard)
         times.append(time.perf_counter() - t0)
-    chunk = chunk_tokens(vocab, None)
+    chunk = chunk_tokens(full, None)  # the CPU default for this head
     h = torch.randn(chunk, hidden, requires_grad=True)
     w = full.requires_grad_()
     mm = []

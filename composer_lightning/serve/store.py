@@ -122,6 +122,17 @@ def message_text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
+def _same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Whether two chats are the same messages: roles, texts (parts joined, ends stripped) and
+    tool calls; other fields (names, ids a client adds) are not compared."""
+    return len(a) == len(b) and all(
+        x.get("role") == y.get("role")
+        and message_text(x.get("content")).strip() == message_text(y.get("content")).strip()
+        and (x.get("tool_calls") or None) == (y.get("tool_calls") or None)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
 class TurnStore:
     """Served turns in one SQLite file (module docstring).
 
@@ -225,8 +236,9 @@ class TurnStore:
     def attach_next_state(self, session: str, messages: list[dict[str, Any]]) -> int | None:
         """Give the session's latest `recorded` turn that `messages` continues its next state.
 
-        A turn whose context had k messages is continued by `messages` when `messages[k]` is an
-        assistant message with the turn's reply text; its next state is `messages[k + 1:]`.
+        A turn whose context had k messages is continued by `messages` when `messages[:k]` is
+        that context (same roles and texts) and `messages[k]` an assistant message with the
+        turn's reply text; its next state is `messages[k + 1:]`.
 
         Returns:
             The id of the turn that became `ready`, or None when no recorded turn matches (a
@@ -240,8 +252,9 @@ class TurnStore:
                 (session,),
             ).fetchall()
             for row in rows:
-                k = len(json.loads(row["messages"]))
-                if k >= len(messages):
+                context = json.loads(row["messages"])
+                k = len(context)
+                if k >= len(messages) or not _same_messages(context, messages[:k]):
                     continue
                 reply = messages[k]
                 if reply.get("role") != "assistant":

@@ -78,7 +78,8 @@ def score_tokens(
         mask: `[B, T]` the tokens whose log-probs (entropies) are computed, e.g. the response
             tokens; the others are 0 and cost no LM-head work. None: every token.
         entropy: also compute entropies. hidden: also return the shifted hidden states.
-        chunk_size: tokens per LM-head chunk; None: ≈ 16 MiB of fp32 logits per chunk.
+        chunk_size: tokens per LM-head chunk; None: ≈ 8 MiB of fp32 logits per chunk on CPU (64 MiB on an
+            accelerator), at least H / 8 tokens.
         final: `([B, T, H] final hidden states, [V, H] LM head)` to score instead of running
             `model` (a micro-batched step's states kept as leaves, `accumulate.py`).
     """
@@ -90,7 +91,7 @@ def score_tokens(
         states = states.view_as(states)
     else:
         states, weight = final
-    chunk = chunk_tokens(weight.shape[0], chunk_size)
+    chunk = chunk_tokens(weight, chunk_size)
     logprobs = chunked_logprobs_from_hidden(states, weight, input_ids, temperature, chunk, mask)
     ent = chunked_entropy_from_hidden(states, weight, temperature, chunk, mask) if entropy else None
     shifted = F.pad(states[:, :-1], (0, 0, 1, 0)) if hidden else None
@@ -148,7 +149,8 @@ class Forwards:
         reference: the frozen reference model, or None.
         teacher: the frozen teacher, or None: the live policy on the hinted contexts.
         temperature: the sampling temperature (log-probs of `logits / temperature`).
-        chunk_size: tokens per LM-head chunk; None: ≈ 16 MiB of fp32 logits per chunk.
+        chunk_size: tokens per LM-head chunk; None: ≈ 8 MiB of fp32 logits per chunk on CPU (64 MiB on an
+            accelerator), at least H / 8 tokens.
         entropy: the policy forward computes entropies (an entropy bonus reads them).
         topk: k of the top-k values heads read (`teacher_topk`: top-k OPD); 0: none.
     """
@@ -274,7 +276,7 @@ def step_context(
         aggregation=aggregation,
         norm_length=norm_length,
         temperature=temperature,
-        chunk_size=chunk_tokens(scores.lm_head_weight.shape[0], chunk_size),
+        chunk_size=chunk_tokens(scores.lm_head_weight, chunk_size),
         behavior_logprobs=targets.behavior_logprobs,
         states=scores.states,
         _other_states=other_states,

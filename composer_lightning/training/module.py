@@ -134,7 +134,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             per optimizer step. None: no token budget (verl's `ppo_max_token_len_per_gpu`).
         micro_batch_size: rows per forward (TRL's `per_device_train_batch_size` within a
             minibatch); None: no row limit. Both None: one forward per minibatch.
-        chunk_size: tokens per LM-head chunk; None: ≈ 16 MiB of fp32 logits per chunk.
+        chunk_size: tokens per LM-head chunk; None: ≈ 8 MiB of fp32 logits per chunk on CPU (64 MiB
+            on an accelerator), at least H / 8 tokens.
         activation_checkpointing: keep only each decoder layer's input for the backward and
             recompute the rest (HF gradient checkpointing): far less activation memory for
             about one more forward of the layers.

@@ -19,7 +19,7 @@ from composer_lightning.functional.align import teacher_alignment
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import RolloutTargets, TopKTargets
 from composer_lightning.training.forward import Forwards, by_piece, response_logprobs, teacher_view
-from composer_lightning.training.hidden import chunk_tokens, final_hidden, vocab_size
+from composer_lightning.training.hidden import chunk_tokens, final_hidden
 from composer_lightning.training.microbatch import Plan
 from composer_lightning.training.topk_targets import agreed_candidates, topk_targets
 
@@ -102,7 +102,7 @@ def rollout_targets(
                         f.topk,
                         candidates,
                         temperature,
-                        chunk_tokens(vocab_size(policy), chunk_size),
+                        chunk_tokens(policy.get_output_embeddings().weight, chunk_size),
                         plan,
                     ),
                 )
@@ -143,7 +143,7 @@ def _teacher(
         weight,
         ids,
         temperature,
-        chunk_tokens(weight.shape[0], chunk_size),
+        chunk_tokens(weight, chunk_size),
         mask=_mapped(mb.teacher_positions, ids.shape[1]),
     )  # [B, T']
     lp, hidden, _ = teacher_view(states, lp_own, mb.teacher_positions)

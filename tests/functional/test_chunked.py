@@ -347,3 +347,20 @@ def test_errors():
         chunked_entropy_from_hidden(hidden, weight.T)
     with pytest.raises(ValueError, match=r"hidden \[2, 5, 4\] and input_ids \[2, 3\]"):
         chunked_logprobs_from_hidden(hidden, weight, ids[:, :3])
+
+
+def test_the_default_chunk_is_small_on_cpu_and_large_on_an_accelerator():
+    """The module's default tokens per chunk: ≈ 8 MiB of fp32 logits on CPU (glibc keeps freed
+    heap: small chunks keep the peak low), 64 MiB on an accelerator (a kernel launch per chunk),
+    and at least H / 8 tokens (each chunk's backward passes over the [V, H] gradient); a given
+    chunk_size always wins."""
+    from composer_lightning.training.hidden import chunk_tokens
+
+    def head(v, h, device="cpu"):
+        return torch.empty(v, h, device=device)
+
+    assert chunk_tokens(head(151936, 64), None) == 13
+    assert chunk_tokens(head(49152, 64), None) == 42
+    assert chunk_tokens(head(151936, 896), None) == 112  # 896 / 8
+    assert chunk_tokens(head(151936, 64, "meta"), None) == 110  # not CPU: 64 MiB
+    assert chunk_tokens(head(151936, 64), 7) == 7 and chunk_tokens(head(10**7, 2), None) == 1

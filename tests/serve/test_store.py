@@ -53,6 +53,9 @@ def test_a_turn_gets_the_messages_that_followed_it_as_next_state(tmp_path):
     ]
     assert store.attach_next_state("s", turn1_request) == t0
     t1 = _record(store, "s", turn1_request, "bye")
+    # The same reply after another context (an edited history) is not a continuation either.
+    other_context = [{"role": "user", "content": "bye"}, *turn1_request[1:]]
+    assert store.attach_next_state("s", [*other_context, {"role": "assistant", "content": "bye"}, USER]) is None  # fmt: skip
     # A regenerated reply is not a continuation: turn 1 keeps waiting.
     edited = [*turn1_request, {"role": "assistant", "content": "other"}, USER]
     assert store.attach_next_state("s", edited) is None
