@@ -174,7 +174,7 @@ class ServeCallback(RolloutCallback):
         self._stop = threading.Event()
         self._trained: list[int] = []  # turn ids taken by the steps done (checkpointed)
         self._restored_trained: list[int] | None = None
-        self._judged = {"dispatch/opd_rl": 0, "dispatch/opd_only": 0, "dispatch/rl_only": 0}
+        self._dropped_seen = 0  # the store's no-signal drops at the last step (or the start)
 
     # ------------------------------------------------------------------ start and stop
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -202,6 +202,7 @@ class ServeCallback(RolloutCallback):
 
         super().on_train_start(trainer, pl_module)  # the push: replies come from these weights
         reclaimed = self.store.reclaim(JUDGE)  # claimed before a crash, never judged: now
+        self._dropped_seen = self.store.counts().get("dropped/no signal", 0)
         if self._restored_trained is not None:  # a step no checkpoint holds: hand them back
             back = self.store.untrain(keep=self._restored_trained)
             if back:
@@ -317,7 +318,7 @@ class ServeCallback(RolloutCallback):
         _, paths = dispatch(
             [t.reward is not None for t in turns], [t.hint is not None for t in turns]
         )
-        paths["dispatch/dropped"] = float(counts.get("dropped/no signal", 0))
+        paths["dispatch/dropped"] = float(self.dropped_since_last_step(counts))
         metrics.update(paths, kind="sum")
         served = self.app.state.metrics
         metrics.update(
@@ -342,6 +343,13 @@ class ServeCallback(RolloutCallback):
         rollout.metrics = metrics
         batch["rollout"] = rollout.to(pl_module.device)
         trainer.datamodule.consumed = int(batch["index"]) + 1
+
+    def dropped_since_last_step(self, counts: dict[str, int]) -> int:
+        """Turns dropped for no signal since the previous step (the other dispatch paths are
+        per step too; the store's count is since the store began)."""
+        now = counts.get("dropped/no signal", 0)
+        before, self._dropped_seen = self._dropped_seen, now
+        return now - before
 
     def take(self, trainer: L.Trainer, version: int) -> list[Any]:
         """`batch_size` judged turns for a step at policy `version`, oldest first, waiting for

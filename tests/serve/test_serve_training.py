@@ -248,3 +248,17 @@ def test_a_step_drops_stale_turns_and_stamps_the_batch_with_its_oldest_version(t
     assert [t.version for t in turns] == [5, 3]
     assert cb.store.get(ids[1]).drop_reason == "stale"
     assert cb.samples(turns, tok).policy_version == 3
+
+
+def test_dispatch_dropped_counts_the_step_not_the_store():
+    """`dispatch/dropped` is per step like the other dispatch paths: the drops since the last
+    step (the store's own count runs since the store began)."""
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.models.tiny import tiny_policy_path
+    from composer_lightning.serve.training import ServeCallback
+    from composer_lightning.tasks.feedback import FeedbackScore
+
+    cb = ServeCallback(HFEngine(model_path=tiny_policy_path()), score=FeedbackScore())
+    cb._dropped_seen = 5  # what the store held when serving began
+    steps = [cb.dropped_since_last_step({"dropped/no signal": n}) for n in (7, 7, 10)]
+    assert steps == [2, 0, 3]
