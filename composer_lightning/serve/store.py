@@ -55,6 +55,8 @@ CREATE TABLE IF NOT EXISTS turns (
     reward REAL,
     hint TEXT,
     drop_reason TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    retry_at REAL,
     UNIQUE (session, turn_index)
 );
 CREATE INDEX IF NOT EXISTS turns_state ON turns (state, id);
@@ -83,7 +85,8 @@ class Turn:
             the session ended or timed out first; None while unknown.
         ready_reason: "next", "session_done" or "timeout" once the next state is known.
         claimant: who is judging it (or judged it). reward, hint: the judge's verdict.
-        drop_reason: why it was dropped ("stale", or a judge's reason).
+        drop_reason: why it was dropped ("stale", "judge_failed", or a judge's reason).
+        attempts: judge calls that failed on it (`release`).
     """
 
     id: int
@@ -104,10 +107,15 @@ class Turn:
     reward: float | None
     hint: str | None
     drop_reason: str | None
+    attempts: int = 0
+
+
+#: columns added after the first stores were written: (name, definition), added on open
+_ADDED_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("retry_at", "REAL"))
 
 
 def _turn(row: sqlite3.Row) -> Turn:
-    data = {k: row[k] for k in row.keys() if k != "claimed_at"}
+    data = {k: row[k] for k in row.keys() if k not in ("claimed_at", "retry_at")}
     for k in _JSON_FIELDS:
         data[k] = None if data[k] is None else json.loads(data[k])
     return Turn(**data)
@@ -157,6 +165,10 @@ class TurnStore:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            have = {r[1] for r in db.execute("PRAGMA table_info(turns)")}
+            for name, definition in _ADDED_COLUMNS:  # a store written by an older version
+                if name not in have:
+                    db.execute(f"ALTER TABLE turns ADD COLUMN {name} {definition}")
 
     def close(self) -> None:
         """Close the connection (every committed write is already on disk)."""
@@ -293,8 +305,8 @@ class TurnStore:
     def claim_ready(self, limit: int, *, claimant: str, lease_s: float = 600.0) -> list[Turn]:
         """Claim up to `limit` turns to judge, oldest first, in one transaction.
 
-        Claimable: `ready` turns, and `judging` turns whose claim is older than `lease_s` (their
-        judge died). A judge restarted under the same name takes its own unfinished claims back
+        Claimable: `ready` turns (once a failed judge call's backoff has passed, `release`), and
+        `judging` turns whose claim is older than `lease_s` (their judge died). A judge restarted under the same name takes its own unfinished claims back
         at once with `reclaim`.
 
         Returns:
@@ -304,8 +316,9 @@ class TurnStore:
             raise ValueError(f"claim_ready: limit must be >= 1, got {limit!r}")
         now = time.time()
         return self._claim(
-            "state = 'ready' OR (state = 'judging' AND claimed_at < ?) ORDER BY id LIMIT ?",
-            (now - lease_s, limit),
+            "(state = 'ready' AND (retry_at IS NULL OR retry_at <= ?)) "
+            "OR (state = 'judging' AND claimed_at < ?) ORDER BY id LIMIT ?",
+            (now, now - lease_s, limit),
             claimant,
             now,
         )
@@ -327,6 +340,25 @@ class TurnStore:
                 [(claimant, now, i) for i in ids],
             )
             return self._turns(db, ids)
+
+    def release(self, turn_id: int, *, claimant: str, retry_after_s: float) -> int | None:
+        """Give back a turn whose judge call failed (an outage, not a verdict): `ready` again,
+        claimable once `retry_after_s` have passed, its `attempts` counted.
+
+        Returns:
+            The turn's failed attempts so far, or None when `claimant` was not judging it.
+        """
+        with self._write() as db:
+            done = db.execute(
+                "UPDATE turns SET state = 'ready', claimant = NULL, attempts = attempts + 1, "
+                "retry_at = ? WHERE id = ? AND state = 'judging' AND claimant = ?",
+                (time.time() + retry_after_s, turn_id, claimant),
+            ).rowcount
+            if not done:
+                return None
+            return int(
+                db.execute("SELECT attempts FROM turns WHERE id = ?", (turn_id,)).fetchone()[0]
+            )
 
     def set_judged(
         self, turn_id: int, reward: float | None, hint: str | None, *, claimant: str

@@ -130,6 +130,10 @@ class ServeCallback(RolloutCallback):
         session_timeout_s: a turn whose session sends nothing more for this long is judged
             without a next state.
         poll_s: how often the judge thread and a waiting step look at the store.
+        judge_attempts: judge calls a turn gets when they fail (a provider that raises, or
+            counts failures): it is given back and tried again after `judge_backoff_s`, doubling
+            each time; after the last it is dropped ("judge_failed", counted) unless part of a
+            verdict came back.
     """
 
     def __init__(
@@ -150,6 +154,8 @@ class ServeCallback(RolloutCallback):
         rate_limit_per_minute: int | None = None,
         session_timeout_s: float | None = 300.0,
         poll_s: float = 0.05,
+        judge_attempts: int = 5,
+        judge_backoff_s: float = 2.0,
     ):
         if score is None:
             raise ValueError("ServeCallback needs a per-turn score provider (rollout.score)")
@@ -168,6 +174,15 @@ class ServeCallback(RolloutCallback):
         self.host, self.port, self.api_key, self.model_name = host, port, api_key, model_name
         self.max_request_bytes, self.rate_limit = max_request_bytes, rate_limit_per_minute
         self.session_timeout_s, self.poll_s = session_timeout_s, poll_s
+        if (
+            isinstance(judge_attempts, bool)
+            or not isinstance(judge_attempts, int)
+            or judge_attempts < 1
+        ):
+            raise ValueError(f"judge_attempts must be an integer >= 1, got {judge_attempts!r}")
+        if not judge_backoff_s >= 0:
+            raise ValueError(f"judge_backoff_s must be >= 0 seconds, got {judge_backoff_s!r}")
+        self.judge_attempts, self.judge_backoff_s = judge_attempts, float(judge_backoff_s)
         self.store = self.server = self.backend = self.app = None
         self.url: str | None = None
         self._judge: threading.Thread | None = None
@@ -281,16 +296,23 @@ class ServeCallback(RolloutCallback):
         ]
         texts = [t.response_text for t in turns]
         ids = [t.response_ids for t in turns]
-        scores, _ = provider_values(self.score, "score", problems, texts, ids)
-        hints, _ = (
+        scores, score_failed = provider_values(self.score, "score", problems, texts, ids)
+        hints, hint_failed = (
             provider_values(self.hint, "hint", problems, texts)
             if self.hint is not None
             else ([None] * len(turns), 0)
         )
         for t, s, h in zip(turns, scores, hints, strict=True):
             h = h[0] if isinstance(h, list) else h
-            if s is None and h is None:
-                self.store.drop(t.id, "no signal", claimant=JUDGE)
+            # A provider that failed on some samples does not say which: a missing value in a
+            # call with failures may be an outage, not a verdict, so the turn is tried again.
+            suspect = (s is None and score_failed) or (h is None and hint_failed)
+            if suspect and t.attempts + 1 < self.judge_attempts:
+                backoff = self.judge_backoff_s * 2**t.attempts
+                self.store.release(t.id, claimant=JUDGE, retry_after_s=backoff)
+            elif s is None and h is None:
+                reason = "judge_failed" if suspect else "no signal"
+                self.store.drop(t.id, reason, claimant=JUDGE)
             else:
                 self.store.set_judged(t.id, s, h, claimant=JUDGE)
 
@@ -329,6 +351,7 @@ class ServeCallback(RolloutCallback):
                 "serve/turns_judged": float(counts.get("judged", 0) + counts.get("trained", 0)),
                 "serve/queue": float(counts.get("judged", 0)),
                 "serve/dropped_stale": float(counts.get("dropped/stale", 0)),
+                "serve/dropped_judge_failed": float(counts.get("dropped/judge_failed", 0)),
                 "serve/version_served": float(self.backend.weight_version),
             },
             kind="max",

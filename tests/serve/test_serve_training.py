@@ -262,3 +262,62 @@ def test_dispatch_dropped_counts_the_step_not_the_store():
     cb._dropped_seen = 5  # what the store held when serving began
     steps = [cb.dropped_since_last_step({"dropped/no signal": n}) for n in (7, 7, 10)]
     assert steps == [2, 0, 3]
+
+
+class _Judge:
+    """A score provider down for its first `down` calls (it raises, as a judge endpoint that
+    refuses connections makes it), then scoring every turn `value`."""
+
+    def __init__(self, down: int, value: float | None = 1.0) -> None:
+        self.down, self.value, self.calls = down, value, 0
+
+    def score(self, problems, completions):
+        self.calls += 1
+        if self.calls <= self.down:
+            raise ConnectionError("the judge is down")
+        return [self.value] * len(problems)
+
+
+def _judging(tmp_path, judge, **kwargs):
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.models.tiny import tiny_policy_path
+    from composer_lightning.serve.store import TurnStore
+    from composer_lightning.serve.training import ServeCallback
+
+    cb = ServeCallback(HFEngine(model_path=tiny_policy_path()), score=judge, **kwargs)
+    cb.store = TurnStore(tmp_path / f"turns-{judge.down}-{judge.value}.sqlite")
+    for n in range(2):
+        cb.store.record(f"s{n}", [{"role": "user", "content": "hi"}], [1], [2], "x", [-0.1], 0)
+        cb.store.end_session(f"s{n}")
+    return cb
+
+
+def test_a_judge_outage_retries_its_turns_then_drops_them_as_judge_failed(tmp_path):
+    """A judge that raises gives its turns back (claimable again after the backoff), so an
+    outage shorter than the attempts loses nothing; a longer one drops them as "judge_failed",
+    counted apart from "no signal" (a judge that answers None without failing)."""
+    from composer_lightning.serve.training import JUDGE
+
+    def rounds(cb, n):  # the judge thread's loop, n times
+        for _ in range(n):
+            turns = cb.store.claim_ready(16, claimant=JUDGE)
+            if turns:
+                cb.judge(turns)
+
+    short = _judging(tmp_path, _Judge(down=2), judge_attempts=3, judge_backoff_s=0)
+    rounds(short, 3)
+    assert [(t.state, t.reward, t.attempts) for t in map(short.store.get, (1, 2))] == [
+        ("judged", 1.0, 2),
+        ("judged", 1.0, 2),
+    ]
+    long = _judging(tmp_path, _Judge(down=99), judge_attempts=3, judge_backoff_s=0)
+    rounds(long, 5)
+    counts = long.store.counts()
+    assert (counts["dropped/judge_failed"], long.score.calls) == (2, 3)
+    silent = _judging(tmp_path, _Judge(down=0, value=None), judge_attempts=3, judge_backoff_s=0)
+    rounds(silent, 1)
+    assert silent.store.counts()["dropped/no signal"] == 2
+    waiting = _judging(tmp_path, _Judge(down=1, value=0.5), judge_attempts=3, judge_backoff_s=60)
+    rounds(waiting, 1)
+    assert waiting.store.claim_ready(16, claimant=JUDGE) == []  # backing off
+    assert waiting.store.get(1).state == "ready"

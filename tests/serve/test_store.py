@@ -211,3 +211,30 @@ def test_take_judged_drops_stale_turns_and_counts_them(tmp_path):
 def test_bad_arguments_name_the_value(tmp_path, call, match):
     with pytest.raises(ValueError, match=match):
         call(TurnStore(tmp_path / "turns.db"))
+
+
+def test_a_store_written_before_judge_retries_opens_and_gains_their_columns(tmp_path):
+    """A store from before `attempts` / `retry_at` existed: opened, the columns are added and
+    its turns keep their states (the turns of a running deployment are not lost on upgrade)."""
+    import sqlite3
+
+    from composer_lightning.serve import store as store_module
+
+    old = store_module._SCHEMA.replace(
+        "    attempts INTEGER NOT NULL DEFAULT 0,\n    retry_at REAL,\n", ""
+    )
+    assert old != store_module._SCHEMA
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(old)
+    db.execute(
+        "INSERT INTO turns (session, turn_index, messages, prompt_ids, response_ids, "
+        "response_text, logprobs, version, created, state) "
+        "VALUES ('s', 0, '[]', '[1]', '[2]', 'x', '[-0.1]', 0, 0, 'ready')"
+    )
+    db.commit()
+    db.close()
+    store = TurnStore(path)
+    (turn,) = store.claim_ready(1, claimant="j")
+    assert (turn.state, turn.attempts) == ("judging", 0)
+    assert store.release(turn.id, claimant="j", retry_after_s=0) == 1
