@@ -11,11 +11,14 @@ tokenizer is needed. Requests of one call run concurrently (`max_concurrency`).
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from composer_lightning.engines.base import Completion, SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 class OpenAIEngine:
@@ -91,5 +94,18 @@ class OpenAIEngine:
                 for choice in sorted(response.choices, key=lambda c: c.index)
             ]
 
+        def guarded(i: int) -> list[Completion]:
+            try:
+                return one(i)
+            except Exception as exc:  # one failed request fails its conversation, not the call
+                log.warning(
+                    "OpenAIEngine: conversation %d of %d failed (no replies for it): %s: %s",
+                    i,
+                    len(conversations),
+                    type(exc).__name__,
+                    exc,
+                )
+                return []
+
         with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            return list(pool.map(one, range(len(conversations))))
+            return list(pool.map(guarded, range(len(conversations))))

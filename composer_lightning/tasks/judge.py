@@ -173,8 +173,12 @@ class _Judge:
             return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
         return list(self.tokenizer(text)["input_ids"])
 
-    def vote_texts(self, problems: list[Problem], completions: list[str]) -> list[list[str]] | None:
-        """Decoded votes per sample, or None if the engine call failed (all counted)."""
+    def vote_texts(
+        self, problems: list[Problem], completions: list[str]
+    ) -> list[list[str] | None] | None:
+        """Decoded votes per sample, or None if the engine call failed (all counted); a sample
+        whose own request failed (a served judge's conversation with no replies) gets None,
+        counted in `failures`."""
         if len(problems) != len(completions):
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
         if not problems:
@@ -199,6 +203,7 @@ class _Judge:
             )
             return None
         self.truncated += sum(c.finish_reason == "length" for group in outs for c in group)
+        self.failures += sum(not group for group in outs)
         return [
             [
                 c.text
@@ -206,6 +211,8 @@ class _Judge:
                 else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 for c in group
             ]
+            if group
+            else None
             for group in outs
         ]
 
@@ -230,7 +237,10 @@ class LLMJudgeScore(_Judge, ScoreProvider):
         texts = self.vote_texts(problems, completions)
         if texts is None:
             return [None] * len(problems)
-        return [majority_score([parse_score(t) for t in group]) for group in texts]
+        return [
+            None if group is None else majority_score([parse_score(t) for t in group])
+            for group in texts
+        ]
 
 
 class LLMJudgeHint(_Judge, HintProvider):
@@ -245,7 +255,10 @@ class LLMJudgeHint(_Judge, HintProvider):
         texts = self.vote_texts(problems, completions)
         if texts is None:
             return [None] * len(problems)
-        return [accepted_hint([parse_hint(t) for t in group]) for group in texts]
+        return [
+            None if group is None else accepted_hint([parse_hint(t) for t in group])
+            for group in texts
+        ]
 
 
 def next_state_votes(
@@ -259,7 +272,7 @@ def next_state_votes(
     if texts is None:
         return out
     for k, group in zip(asked, texts, strict=True):
-        out[k] = [parse_next_state_vote(t) for t in group]
+        out[k] = None if group is None else [parse_next_state_vote(t) for t in group]
     return out
 
 

@@ -118,6 +118,19 @@ def test_served_judge_votes_through_a_real_server(server) -> None:
     assert judge.truncated == cut >= 3  # one token: most votes are cut off by max_tokens
 
 
+def test_one_failing_request_fails_only_its_own_sample(server) -> None:
+    """A prompt past the server's context (256 tokens) is refused: that sample gets no vote and
+    one failure is counted; the other sample of the same call is judged."""
+    judge = LLMJudgeScore(OpenAIEngine(server), votes=2, sampling=SamplingConfig(max_tokens=2))
+    long = Arithmetic().make(2, "+", 3)
+    long["messages"] = [{"role": "user", "content": "What is 2 + 3? " * 200}]
+    scores = judge.score([Arithmetic().make(4, "+", 4), long], ["8", "5"])
+    assert judge.failures == 1 and scores[1] is None
+    assert scores[0] in (None, 0.0, 1.0)  # judged (its votes may not agree)
+    too_long = [[{"role": "user", "content": "x " * 400}]]
+    assert judge.engine.chat(too_long, 1, judge.sampling) == [[]]  # no replies, no exception
+
+
 def test_a_rollout_step_with_a_served_judge_logs_truncated_votes(server) -> None:
     policy = tiny_policy_path()
     judge = LLMJudgeScore(OpenAIEngine(server), votes=3, sampling=SamplingConfig(max_tokens=4))
