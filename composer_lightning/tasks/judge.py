@@ -113,6 +113,15 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
     return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
 
 
+#: the judge's default sampling temperature (OpenClaw-RL's PRM judge samples at 0.6)
+JUDGE_TEMPERATURE = 0.6
+#: a served judge's default reply budget: room for a reasoning model's thinking before its
+#: verdict (OpenClaw-RL gives thousands of tokens)
+SERVED_JUDGE_MAX_TOKENS = 4096
+#: a local token-id engine's default (usually a small model sharing the trainer's machine)
+LOCAL_JUDGE_MAX_TOKENS = 64
+
+
 class _Judge:
     """Shared prompt building and voting through an engine."""
 
@@ -144,10 +153,14 @@ class _Judge:
         self.tokenizer = tokenizer
         self.votes = votes
         self.template = template if template is not None else load_template(self.default_template)
-        if sampling is None:
+        if sampling is None:  # OpenClaw-RL's judge sampling: a reasoning model thinks first
             eos = getattr(tokenizer, "eos_token_id", None)
             sampling = SamplingConfig(
-                temperature=1.0, max_tokens=64, stop_token_ids=[] if eos is None else [eos]
+                temperature=JUDGE_TEMPERATURE,
+                max_tokens=SERVED_JUDGE_MAX_TOKENS
+                if isinstance(engine, ChatEngine)
+                else LOCAL_JUDGE_MAX_TOKENS,
+                stop_token_ids=[] if eos is None else [eos],
             )
         self.sampling = sampling
         self.failures = 0
@@ -228,7 +241,9 @@ class LLMJudgeScore(_Judge, ScoreProvider):
         votes: m, the judge calls per sample.
         template: prompt text with `{prompt}`, `{answer}`, `{response}`; default
             `templates/judge_score.txt`.
-        sampling: judge sampling; default temperature 1, 64 tokens, stop at the tokenizer's eos.
+        sampling: judge sampling; default OpenClaw-RL's: temperature 0.6 and 4,096 tokens for a
+            served judge (a reasoning model thinks before its verdict), 64 for a local
+            token-id engine; stop at the tokenizer's eos.
     """
 
     default_template = "judge_score.txt"

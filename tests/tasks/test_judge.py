@@ -258,3 +258,18 @@ def test_the_next_state_prm_scores_plus_or_minus_one_on_a_strict_majority(tokeni
     turn = {"messages": [], "next_state": [{"role": "user", "content": "no, 42"}]}
     scores = judge.score([turn, {"messages": []}, turn, turn], ["a", "b", "c", "d"])
     assert scores == [1.0, None, -1.0, None]  # the second has no next state: no call
+
+
+def test_judge_sampling_defaults_fit_a_reasoning_judge() -> None:
+    """OpenClaw-RL's judge sampling by default: temperature 0.6, and room to think (4,096
+    tokens) for a served judge; a local engine's judge keeps a short budget; both settable."""
+    from composer_lightning.engines import OpenAIEngine
+
+    served = LLMJudgeScore(OpenAIEngine("http://127.0.0.1:1/v1"), votes=1)
+    assert (served.sampling.temperature, served.sampling.max_tokens) == (0.6, 4096)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy_path())
+    local = LLMJudgeScore(BrokenEngine(), tokenizer, votes=1)
+    assert (local.sampling.temperature, local.sampling.max_tokens) == (0.6, 64)
+    assert local.sampling.stop_token_ids == [tokenizer.eos_token_id]
+    given = LLMJudgeScore(BrokenEngine(), tokenizer, sampling=SamplingConfig(temperature=0.2))
+    assert given.sampling.temperature == 0.2
