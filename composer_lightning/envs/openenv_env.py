@@ -18,69 +18,20 @@ our episode loop owns the turns instead:
   unknown tool, bad arguments). OpenEnv's loop would raise on the last two; here they are the
   turn's tool error, so that one bad call is a lesson for the policy, not a crashed batch.
 
-Tool calls are read from the message's `tool_calls` (OpenAI format) when it has them, else
-from `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in its text (the format
-of the Qwen / Hermes chat templates).
+Tool calls are read by `chat.tool_calls.parse_tool_calls`, the parser `serve` and
+`PythonToolEnv` share: the message's `tool_calls` (OpenAI format) when it has them, else Hermes
+/ Qwen `<tool_call>` blocks, Mistral's `[TOOL_CALLS]` or a Llama-style JSON call in its text.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from composer_lightning.chat.tool_calls import ToolCall, parse_tool_calls
 from composer_lightning.envs.base import Message, Observation
 from composer_lightning.runtime.moved import moved_attribute
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One tool call of an assistant message; `error` says why it cannot be made."""
-
-    id: str
-    name: str | None
-    arguments: dict[str, Any]
-    error: str | None = None
-
-
-def parse_tool_calls(message: Message, turn: int = 0) -> list[ToolCall]:
-    """The tool calls of an assistant message (see the module docstring for the formats).
-
-    Args:
-        message: `{"role": "assistant", "content": text}`, optionally with `tool_calls`.
-        turn: the turn's index, for the ids of calls parsed from text.
-
-    Returns:
-        One `ToolCall` per call; a call whose JSON does not parse into a name and an arguments
-        object has `error` set instead of failing the turn.
-    """
-    raw: list[tuple[str, Any]] = []
-    if message.get("tool_calls"):
-        for i, call in enumerate(message["tool_calls"]):
-            fn = call.get("function", call)
-            raw.append((call.get("id") or f"call_{turn}_{i}", fn))
-    else:
-        for i, block in enumerate(_TOOL_CALL.findall(message.get("content") or "")):
-            raw.append((f"call_{turn}_{i}", block.strip()))
-    return [_tool_call(call_id, fn) for call_id, fn in raw]
-
-
-def _tool_call(call_id: str, fn: Any) -> ToolCall:
-    try:
-        if isinstance(fn, str):
-            fn = json.loads(fn)
-        name, args = fn["name"], fn.get("arguments", {})
-        if isinstance(args, str):
-            args = json.loads(args) if args.strip() else {}
-        if not isinstance(name, str) or not isinstance(args, dict):
-            raise TypeError("'name' must be a string and 'arguments' an object")
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        return ToolCall(call_id, None, {}, f"malformed tool call: {type(err).__name__}: {err}")
-    return ToolCall(call_id, name, args)
 
 
 def openai_tool_spec(tool: Any) -> dict[str, Any]:

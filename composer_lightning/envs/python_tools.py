@@ -7,7 +7,8 @@ message, anywhere in its text::
 
     <tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>
 
-Calls are strict: the JSON must parse to `{"name": str, "arguments": dict}`, the name must be a
+Calls are found by `chat.tool_calls.find_tool_calls`, the parser `serve` and the OpenEnv adapter
+share (a Mistral `[TOOL_CALLS]` list or a Llama-style JSON reply is a call too). Calls are strict: the JSON must parse to `{"name": str, "arguments": dict}`, the name must be a
 tool, and the arguments must bind to the function's signature with the annotated types (an int
 is not a float's stand-in for an `int`, a bool is not an int). A good call answers with the
 result as a `tool` message; any failure (malformed call, unknown tool, bad arguments, a tool
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -31,11 +31,11 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from composer_lightning.chat import problem_messages
+from composer_lightning.chat.tool_calls import HERMES_CLOSE, HERMES_OPEN, find_tool_calls
 from composer_lightning.envs.base import Message, Observation
 from composer_lightning.runtime.calls import CallTimeout, call_with_timeout, check_timeout
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+CALL_OPEN, CALL_CLOSE = HERMES_OPEN, HERMES_CLOSE
 CALL_FORMAT = f'{CALL_OPEN}{{"name": "<tool>", "arguments": {{...}}}}{CALL_CLOSE}'
 
 
@@ -128,7 +128,8 @@ class PythonToolEnv:
             raise TypeError(
                 f"step needs an assistant message {{'role', 'content': str}}, got {message!r}"
             )
-        if CALL_OPEN not in content and CALL_CLOSE not in content:
+        _, bodies = find_tool_calls(content)  # chat.tool_calls: the parser serve shares
+        if not bodies and CALL_OPEN not in content and CALL_CLOSE not in content:
             return Observation(done=True, reward=None, info={"tool_error": None})
         self.calls += 1
         result, error = self._run(content)
@@ -144,7 +145,7 @@ class PythonToolEnv:
 
     def _run(self, content: str) -> tuple[str, str | None]:
         """(result text, None) for a good call, ("", error text) otherwise."""
-        bodies = _CALL.findall(content)
+        _, bodies = find_tool_calls(content)
         if len(bodies) != 1:
             got = "no complete call" if not bodies else f"{len(bodies)} calls"
             return "", f"Tool call error: expected one call {CALL_FORMAT}, got {got}."

@@ -63,6 +63,7 @@ MOVED_NAMES: dict[tuple[str, str], str] = {
     ("composer_lightning.tasks.base", "FunctionHint"): "composer_lightning.tasks.hints",
     ("composer_lightning.tasks.base", "ToolErrorHint"): "composer_lightning.tasks.hints",
     ("composer_lightning.envs.openenv_env", "OpenEnvTask"): "composer_lightning.tasks.openenv",
+    ("composer_lightning.serve.training", "ServeDataModule"): "composer_lightning.serve.data",
 }
 
 

@@ -2,8 +2,8 @@
 
 `TurnStore` (store.py) keeps served turns durably from recording to training; `make_app`
 (app.py) is the endpoint; `EngineBackend` (backend.py) puts a rollout engine behind it;
-`BackgroundServer` (server.py) runs it with uvicorn on a thread; `ServeCallback` and
-`ServeDataModule` (training.py) train on what was served (`python -m composer_lightning serve`).
+`BackgroundServer` (server.py) runs it with uvicorn on a thread; `ServeCallback` (training.py)
+and `ServeDataModule` (data.py) train on what was served (`python -m composer_lightning serve`).
 
 May import: every room below it in `composer_lightning.LAYERS` (it trains through the
 rollout callback's push and the module's step).
@@ -11,9 +11,10 @@ rollout callback's push and the module's step).
 
 from composer_lightning.serve.app import ServeMetrics, make_app
 from composer_lightning.serve.backend import EngineBackend, ServeBackend
+from composer_lightning.serve.data import ServeDataModule
 from composer_lightning.serve.server import BackgroundServer
 from composer_lightning.serve.store import STATES, Turn, TurnStore
-from composer_lightning.serve.training import ServeCallback, ServeDataModule
+from composer_lightning.serve.training import ServeCallback
 
 __all__ = [
     "STATES",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import time
@@ -29,6 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from composer_lightning.chat import render_ids
+from composer_lightning.chat.tool_calls import for_template
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.serve.backend import ServeBackend
 from composer_lightning.serve.protocol import (
@@ -39,6 +41,7 @@ from composer_lightning.serve.protocol import (
     completion_body,
     new_id,
     parse_request,
+    with_tool_calls,
 )
 from composer_lightning.serve.store import TurnStore
 
@@ -220,6 +223,8 @@ def make_app(
         body = await _read_json(request, max_request_bytes)
         req = parse_request(body, dict(request.headers), max_n=max_n)
         _check_model(req.model, model_name)
+        # the history's OpenAI tool calls as this template renders them; stored in this form
+        req = dataclasses.replace(req, messages=for_template(req.messages, backend.tokenizer))
         prompt_ids = _render(backend.tokenizer, req)
         sampling = _sampling(
             req, len(prompt_ids), backend.max_context, default_max_tokens, default_temperature
@@ -243,6 +248,7 @@ def make_app(
         kept, choices = zip(
             *(_cut_at_stop(backend.tokenizer, c, req.stop) for c in completions), strict=True
         )
+        served = [with_tool_calls(c, bool(req.tools)) for c in choices]
         first = kept[0]
         untrainable = train_sampling is not None and not _trainable(sampling, train_sampling)
         if not req.side:  # a side turn (a judge's, a summary's) is served, never recorded
@@ -262,8 +268,8 @@ def make_app(
         }
         cid = new_id()
         if not req.stream:
-            return JSONResponse(completion_body(req, cid, list(choices), usage, version))
-        chunks = chunk_bodies(req, cid, list(choices), usage, version)
+            return JSONResponse(completion_body(req, cid, served, usage, version))
+        chunks = chunk_bodies(req, cid, served, usage, version)
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
     return app

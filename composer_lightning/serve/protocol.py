@@ -18,6 +18,8 @@ from typing import Any
 
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 
+from composer_lightning.chat.tool_calls import split_reply
+
 SESSION_HEADER = "x-session-id"
 SESSION_DONE_HEADER = "x-session-done"
 #: OpenClaw-RL's turn types: "main" turns are recorded and trained on; "side" turns (a judge's,
@@ -217,10 +219,25 @@ def parse_request(body: Any, headers: dict[str, str], *, max_n: int) -> ChatRequ
 
 @dataclass(frozen=True)
 class Choice:
-    """One reply as served: its text (cut at a stop string) and why it ended."""
+    """One reply as served: its text (cut at a stop string) and why it ended; with tool calls,
+    the text outside them and the calls in OpenAI's form (`finish_reason` "tool_calls")."""
 
-    text: str
+    text: str | None
     finish_reason: str
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+def with_tool_calls(choice: Choice, offered_tools: bool) -> Choice:
+    """`choice` as OpenAI returns a reply that calls tools (`chat.tool_calls.split_reply`):
+    content = the text outside the calls (None when empty), `tool_calls`, finish reason
+    "tool_calls". Unchanged when the request offered no tools, the reply has no call, or it
+    was cut by `max_tokens`."""
+    if not offered_tools or choice.text is None or choice.finish_reason == "length":
+        return choice
+    content, calls = split_reply(choice.text)
+    if not calls:
+        return choice
+    return Choice(content or None, "tool_calls", [c.openai() for c in calls])
 
 
 def new_id() -> str:
@@ -241,7 +258,7 @@ def completion_body(
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": _message_of(c),
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
             }
@@ -249,6 +266,13 @@ def completion_body(
         ],
         "usage": usage,
     }
+
+
+def _message_of(c: Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        message["tool_calls"] = c.tool_calls
+    return message
 
 
 def chunk_bodies(
@@ -271,7 +295,10 @@ def chunk_bodies(
     out = []
     for i, c in enumerate(choices):
         out.append(chunk(i, {"role": "assistant", "content": ""}, None))
-        out.append(chunk(i, {"content": c.text}, None))
+        if c.text:
+            out.append(chunk(i, {"content": c.text}, None))
+        for k, call in enumerate(c.tool_calls or []):  # OpenAI's delta form, one call a chunk
+            out.append(chunk(i, {"tool_calls": [{"index": k, **call}]}, None))
         out.append(chunk(i, {}, c.finish_reason))
     if req.include_usage:
         out.append({**head, "choices": [], "usage": usage})

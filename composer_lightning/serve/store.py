@@ -17,6 +17,10 @@ a judged turn is never judged again.
 
 Simplified: one connection behind a lock (SQLite serialises writers anyway); several processes
 may share the file (`BEGIN IMMEDIATE` and a busy timeout order them).
+
+Why this file is long: it is the only code that writes the turns table. Each state change above
+is one method and one transaction, and the rules that make judging exactly-once and a resume's
+hand-back exact (claims, leases, retries, staleness, sessions' owners) hold only read together.
 """
 
 from __future__ import annotations
@@ -250,13 +254,18 @@ class TurnStore:
 
         A turn whose context had k messages is continued by `messages` when `messages[:k]` is
         that context (same roles and texts) and `messages[k]` an assistant message with the
-        turn's reply text; its next state is `messages[k + 1:]`.
+        turn's reply (its text, or its tool calls in OpenAI's form: `chat.tool_calls.same_reply`);
+        its next state is `messages[k + 1:]`.
 
         Returns:
             The id of the turn that became `ready`, or None when no recorded turn matches (a
             new session, or a client that edited or regenerated the reply: that turn waits for
             `end_session` or `expire`).
         """
+        # here, not at the top: this file runs on the standard library alone (tests load it
+        # by path in processes without the package's heavy imports)
+        from composer_lightning.chat.tool_calls import same_reply
+
         with self._write() as db:
             rows = db.execute(
                 "SELECT id, messages, response_text FROM turns "
@@ -269,9 +278,7 @@ class TurnStore:
                 if k >= len(messages) or not _same_messages(context, messages[:k]):
                     continue
                 reply = messages[k]
-                if reply.get("role") != "assistant":
-                    continue
-                if message_text(reply.get("content")).strip() != row["response_text"].strip():
+                if reply.get("role") != "assistant" or not same_reply(reply, row["response_text"]):
                     continue
                 db.execute(
                     "UPDATE turns SET state = 'ready', next_state = ?, ready_reason = 'next' "

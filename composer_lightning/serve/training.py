@@ -1,4 +1,5 @@
-"""Training from served conversations: `ServeCallback` and `ServeDataModule` (`serve` mode).
+"""Training from served conversations: `ServeCallback` (`serve` mode; its step indices come from
+`ServeDataModule`, data.py).
 
     python -m composer_lightning serve --config configs/serve_cpu.yaml
 
@@ -29,12 +30,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader, IterableDataset
 
 from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.models.weights import iter_hf_weights
@@ -45,65 +44,13 @@ from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import provider_values
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.runtime.errors import ConfigError
+from composer_lightning.runtime.moved import moved_attribute
 from composer_lightning.runtime.rundir import run_dir
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
 
 log = logging.getLogger(__name__)
 
 JUDGE = "judge"  # the store's claimant name of this process's judge thread
-
-
-class _Steps(IterableDataset):
-    def __init__(self, dm: ServeDataModule):
-        self.dm = dm
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        i = self.dm.consumed
-        while True:
-            yield {"index": i}
-            i += 1
-
-
-class ServeDataModule(L.LightningDataModule):
-    """Step indices for serving mode: each step's samples are the judged turns the
-    `ServeCallback` takes from its store when the step starts (never prefetched).
-
-    Args:
-        tokenizer: the policy's tokenizer directory or hub id; None: the policy's directory.
-    """
-
-    def __init__(self, tokenizer: str | None = None):
-        super().__init__()
-        self.tokenizer_path = tokenizer
-        self.consumed = 0
-        self._tokenizer = None
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
-
-            path = self.tokenizer_path
-            if path is None:
-                module = getattr(getattr(self, "trainer", None), "lightning_module", None)
-                path = getattr(module, "policy_path", None)
-            if path is None:
-                raise ValueError("ServeDataModule needs a tokenizer directory or the policy's")
-            self._tokenizer = AutoTokenizer.from_pretrained(
-                resolve_model(path, what="ServeDataModule tokenizer", require=TOKENIZER_FILE)
-            )
-        return self._tokenizer
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(_Steps(self), batch_size=None, collate_fn=lambda b: b)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.consumed = int(state["consumed"])
 
 
 class ServeCallback(RolloutCallback):
@@ -443,3 +390,7 @@ def _signalled(trainer: L.Trainer) -> bool:
             cb._signal = cb._received
             return True
     return bool(getattr(trainer._signal_connector, "received_sigterm", False))
+
+
+def __getattr__(name: str) -> object:  # the names that moved to another file (runtime/moved.py)
+    return moved_attribute(__name__, name)

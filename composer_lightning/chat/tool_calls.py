@@ -1,0 +1,186 @@
+"""Tool calls in a model's text and in OpenAI's form: the one parser that `serve`, the tool
+environments (`envs.python_tools`) and the OpenEnv adapter (`envs.openenv_env`) share.
+
+A reply's calls are read from, in this order:
+- OpenAI's `tool_calls` field of the message (a client sends its history in this form);
+- Hermes / Qwen blocks, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (also
+  SmolLM2's, and this library's tiny tool policy's);
+- Mistral's `[TOOL_CALLS]` followed by a JSON list of `{"name", "arguments"}` objects;
+- a reply that is only a JSON call, `{"name": ..., "parameters": {...}}` or `"arguments"` (Llama
+  3.1 / 3.2's JSON tool calling), or a list of them.
+The text outside the calls is the reply's content. A call whose JSON does not give a name and an
+arguments object is still a call, with `error` saying why: one bad call is the model's lesson (a
+tool error), not a crashed batch or a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+Message = dict[str, Any]
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_MARK = "[TOOL_CALLS]"
+_HERMES = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of an assistant message; `error` says why it cannot be made."""
+
+    id: str
+    name: str | None
+    arguments: dict[str, Any]
+    error: str | None = None
+
+    def openai(self) -> dict[str, Any]:
+        """The call in OpenAI's `tool_calls` form (arguments as a JSON string)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name or "", "arguments": json.dumps(self.arguments)},
+        }
+
+
+def find_tool_calls(text: str) -> tuple[str, list[str]]:
+    """The text outside a reply's calls, and each call's raw JSON, in order.
+
+    Only complete calls count: a `<tool_call>` without its close is left in the text (a
+    reply cut by `max_tokens`)."""
+    bodies = _HERMES.findall(text)
+    if bodies:
+        return _HERMES.sub("", text), [b.strip() for b in bodies]
+    if MISTRAL_MARK in text:
+        before, _, after = text.partition(MISTRAL_MARK)
+        try:
+            calls = json.loads(after)
+        except json.JSONDecodeError:
+            return text, []
+        calls = calls if isinstance(calls, list) else [calls]
+        return before, [json.dumps(c) for c in calls]
+    stripped = text.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            value = json.loads(stripped)
+        except json.JSONDecodeError:
+            return text, []
+        values = value if isinstance(value, list) else [value]
+        if values and all(_looks_like_call(v) for v in values):
+            return "", [json.dumps(v) for v in values]
+    return text, []
+
+
+def _looks_like_call(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("name"), str)
+        and set(value) <= {"name", "arguments", "parameters", "type"}
+        and ("arguments" in value or "parameters" in value)
+    )
+
+
+def parse_tool_calls(message: Message, turn: int = 0) -> list[ToolCall]:
+    """The tool calls of an assistant message (see the module docstring for the formats).
+
+    Args:
+        message: `{"role": "assistant", "content": text}`, optionally with `tool_calls`.
+        turn: the turn's index, for the ids of calls parsed from text (`call_<turn>_<i>`).
+
+    Returns:
+        One `ToolCall` per call; a call whose JSON does not give a name and an arguments
+        object has `error` set.
+    """
+    if message.get("tool_calls"):
+        return [
+            _tool_call(call.get("id") or f"call_{turn}_{i}", call.get("function", call))
+            for i, call in enumerate(message["tool_calls"])
+        ]
+    _, bodies = find_tool_calls(_text(message.get("content")))
+    return [_tool_call(f"call_{turn}_{i}", body) for i, body in enumerate(bodies)]
+
+
+def split_reply(text: str, turn: int = 0) -> tuple[str, list[ToolCall]]:
+    """A generated reply as OpenAI returns it: its content (the text outside the calls,
+    stripped) and its calls."""
+    outside, bodies = find_tool_calls(text)
+    return outside.strip(), [_tool_call(f"call_{turn}_{i}", b) for i, b in enumerate(bodies)]
+
+
+def _tool_call(call_id: str, fn: Any) -> ToolCall:
+    try:
+        if isinstance(fn, str):
+            fn = json.loads(fn)
+        name = fn["name"]
+        args = fn.get("arguments", fn.get("parameters", {}))
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise TypeError("'name' must be a string and 'arguments' an object")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return ToolCall(call_id, None, {}, f"malformed tool call: {type(err).__name__}: {err}")
+    return ToolCall(call_id, name, args)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def same_reply(message: Message, reply_text: str) -> bool:
+    """Whether an assistant message (text, or OpenAI `tool_calls`) is `reply_text` as the model
+    wrote it: the same text outside the calls and the same calls (names and arguments), however
+    the client re-serialised them."""
+    sent = parse_tool_calls(message)
+    text, written = split_reply(reply_text)
+    ours = (text, [(c.name, c.arguments) for c in written])
+    outside = find_tool_calls(_text(message.get("content")))[0].strip()
+    return ours == (outside, [(c.name, c.arguments) for c in sent])
+
+
+def template_renders_tool_calls(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders an assistant message's `tool_calls`."""
+    return "tool_calls" in str(getattr(tokenizer, "chat_template", None) or "")
+
+
+def with_calls_as_text(messages: list[Message]) -> list[Message]:
+    """`messages` with each assistant message's OpenAI `tool_calls` written into its content as
+    Hermes blocks (for a chat template that renders only `content`); others unchanged."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            blocks = "".join(
+                f"{HERMES_OPEN}{json.dumps({'name': c.name, 'arguments': c.arguments})}{HERMES_CLOSE}"
+                for c in parse_tool_calls(m)
+            )
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = _text(m.get("content")) + blocks
+        out.append(m)
+    return out
+
+
+def for_template(messages: list[Message], tokenizer: Any) -> list[Message]:
+    """`messages` as the tokenizer's template can render them: OpenAI `tool_calls` kept (their
+    arguments as objects, as templates expect) where the template renders them, else written
+    into the content (`with_calls_as_text`)."""
+    if not any(m.get("tool_calls") for m in messages):
+        return messages
+    if not template_renders_tool_calls(tokenizer):
+        return with_calls_as_text(messages)
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in parse_tool_calls(m)
+            ]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out

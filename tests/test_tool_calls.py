@@ -1,0 +1,100 @@
+"""chat/tool_calls.py: one parser for serve, PythonToolEnv and the OpenEnv adapter."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoTokenizer
+
+from composer_lightning.chat import render_ids
+from composer_lightning.chat.tool_calls import (
+    ToolCall,
+    find_tool_calls,
+    for_template,
+    parse_tool_calls,
+    same_reply,
+    split_reply,
+    with_calls_as_text,
+)
+from composer_lightning.models.tiny import tiny_tool_policy_path
+
+ADD = {"name": "add", "arguments": {"a": 12, "b": 30}}
+
+
+def test_every_format_gives_the_same_call() -> None:
+    """Hermes / Qwen blocks, Mistral's [TOOL_CALLS] list, a Llama-style JSON reply (with
+    "parameters") and OpenAI's tool_calls field (arguments as a JSON string) are the same call;
+    the text outside the calls is the content."""
+    texts = {
+        "hermes": f"Let me add. <tool_call>{json.dumps(ADD)}</tool_call>",
+        "mistral": f"Let me add. [TOOL_CALLS] {json.dumps([ADD])}",
+        "llama": json.dumps({"name": "add", "parameters": {"a": 12, "b": 30}}),
+    }
+    for fmt, text in texts.items():
+        content, (call,) = split_reply(text, turn=2)
+        assert (call.name, call.arguments, call.error, call.id) == (
+            "add",
+            ADD["arguments"],
+            None,
+            "call_2_0",
+        ), fmt
+        assert content == ("" if fmt == "llama" else "Let me add.")
+    openai_form = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": json.dumps(ADD["arguments"])}}],
+    }  # fmt: skip
+    assert parse_tool_calls(openai_form) == [ToolCall("c1", "add", ADD["arguments"])]
+    assert parse_tool_calls({"role": "assistant", "content": texts["hermes"]})[0].name == "add"
+
+
+def test_malformed_calls_are_calls_with_an_error_and_plain_text_is_none() -> None:
+    (bad,) = parse_tool_calls({"role": "assistant", "content": "<tool_call>{not json</tool_call>"})
+    assert bad.name is None and bad.error.startswith("malformed tool call: JSONDecodeError")
+    (noargs,) = split_reply('<tool_call>{"name": 3, "arguments": []}</tool_call>')[1]
+    assert "'name' must be a string" in noargs.error
+    for text in ("The answer is 42.", '{"answer": 42}', "<tool_call>{...", "[1, 2]", "{"):
+        assert find_tool_calls(text) == (text, []), text  # not a call (cut, or other JSON)
+    assert [c.name for c in split_reply("<tool_call>" + json.dumps(ADD) + "</tool_call>" * 1 + "<tool_call>" + json.dumps({**ADD, "name": "mul"}) + "</tool_call>")[1]] == ["add", "mul"]  # fmt: skip
+
+
+def test_a_reply_is_the_same_however_the_client_reserialises_its_calls() -> None:
+    """serve matches a turn's reply in the next request's history: the model's raw text
+    against the client's OpenAI form (arguments re-serialised, other key order)."""
+    raw = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+    sent = {
+        "role": "assistant",
+        "content": "Sure.",
+        "tool_calls": [{"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"b":30,"a":12}'}}],
+    }  # fmt: skip
+    assert same_reply(sent, raw)
+    assert same_reply({"role": "assistant", "content": raw}, raw)
+    other = json.loads(json.dumps(sent))
+    other["tool_calls"][0]["function"]["arguments"] = '{"a": 12, "b": 31}'
+    assert not same_reply(other, raw)
+    assert not same_reply({"role": "assistant", "content": "Sure."}, raw)
+
+
+def test_history_tool_calls_render_through_a_template_without_them_as_hermes_text() -> None:
+    """The tiny tool policy's template renders only `content`: an OpenAI tool-call message is
+    written as the Hermes block the model itself writes, so the call is in the prompt."""
+    tok = AutoTokenizer.from_pretrained(tiny_tool_policy_path())
+    history = [
+        {"role": "user", "content": "What is 12 + 30?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 12, "b": 30}'}}]},
+        {"role": "tool", "content": "42"},
+    ]  # fmt: skip
+    rendered = for_template(history, tok)
+    assert rendered == with_calls_as_text(history)
+    assert rendered[1] == {
+        "role": "assistant",
+        "content": f"<tool_call>{json.dumps(ADD)}</tool_call>",
+    }
+    text = tok.decode(render_ids(tok, rendered, add_generation_prompt=True))
+    assert '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>' in text
+
+    class Renders:  # a template that renders tool_calls (Qwen's, Hermes'): kept, args as objects
+        chat_template = "{% for m in messages %}{{ m.tool_calls }}{% endfor %}"
+
+    (kept,) = [m for m in for_template(history, Renders()) if m.get("tool_calls")]
+    assert kept["tool_calls"][0]["function"]["arguments"] == ADD["arguments"]
