@@ -98,3 +98,21 @@ def test_history_tool_calls_render_through_a_template_without_them_as_hermes_tex
 
     (kept,) = [m for m in for_template(history, Renders()) if m.get("tool_calls")]
     assert kept["tool_calls"][0]["function"]["arguments"] == ADD["arguments"]
+
+
+def test_tools_go_into_the_system_message_where_the_template_does_not_render_them() -> None:
+    """SmolLM2's template ignores `tools`: they are described in the system message (after its
+    own text, or as a new first message); a template that renders them gets them as they are."""
+    from composer_lightning.chat.tool_calls import TOOLS_SYSTEM_TEXT
+    from composer_lightning.models.tiny import tiny_policy_path
+
+    spec = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    plain = AutoTokenizer.from_pretrained(tiny_policy_path())  # renders no tools
+    chat = [{"role": "user", "content": "hi"}]
+    (system, user) = for_template(chat, plain, [spec])
+    assert system["role"] == "system" and json.dumps(spec) in system["content"]
+    assert system["content"] == TOOLS_SYSTEM_TEXT.format(tools=json.dumps(spec)) and user == chat[0]
+    own = [{"role": "system", "content": "Be brief."}, *chat]
+    assert for_template(own, plain, [spec])[0]["content"].startswith("Be brief.\n\n")
+    tools_tok = AutoTokenizer.from_pretrained(tiny_tool_policy_path())  # renders them itself
+    assert for_template(chat, tools_tok, [spec]) == chat

@@ -162,10 +162,40 @@ def with_calls_as_text(messages: list[Message]) -> list[Message]:
     return out
 
 
-def for_template(messages: list[Message], tokenizer: Any) -> list[Message]:
+#: how the tools are shown to a model whose template does not render `tools` (SmolLM2's):
+#: in the system message, in the Hermes format its instruct tuning uses
+TOOLS_SYSTEM_TEXT = (
+    "You may call one or more functions to assist with the user query. The functions are:\n"
+    "<tools>{tools}</tools>\n"
+    'To call a function, reply with <tool_call>{{"name": <name>, "arguments": <object>}}'
+    "</tool_call>."
+)
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders the `tools` it is given."""
+    return "tools" in str(getattr(tokenizer, "chat_template", None) or "")
+
+
+def with_tools_in_system(messages: list[Message], tools: list[dict[str, Any]]) -> list[Message]:
+    """`messages` with the tools described in the system message (`TOOLS_SYSTEM_TEXT`, after
+    the system message's own text, or as a new first message)."""
+    text = TOOLS_SYSTEM_TEXT.format(tools="\n".join(json.dumps(t) for t in tools))
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        return [{**first, "content": f"{_text(first.get('content'))}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def for_template(
+    messages: list[Message], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> list[Message]:
     """`messages` as the tokenizer's template can render them: OpenAI `tool_calls` kept (their
     arguments as objects, as templates expect) where the template renders them, else written
-    into the content (`with_calls_as_text`)."""
+    into the content (`with_calls_as_text`); `tools` described in the system message where the
+    template does not render them (`with_tools_in_system`)."""
+    if tools and not template_renders_tools(tokenizer):
+        messages = with_tools_in_system(messages, tools)
     if not any(m.get("tool_calls") for m in messages):
         return messages
     if not template_renders_tool_calls(tokenizer):

@@ -224,7 +224,10 @@ def make_app(
         req = parse_request(body, dict(request.headers), max_n=max_n)
         _check_model(req.model, model_name)
         # the history's OpenAI tool calls as this template renders them; stored in this form
-        req = dataclasses.replace(req, messages=for_template(req.messages, backend.tokenizer))
+        # (and the tools in the system message where the template does not render them)
+        req = dataclasses.replace(
+            req, messages=for_template(req.messages, backend.tokenizer, req.tools)
+        )
         prompt_ids = _render(backend.tokenizer, req)
         sampling = _sampling(
             req, len(prompt_ids), backend.max_context, default_max_tokens, default_temperature

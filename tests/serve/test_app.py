@@ -170,8 +170,10 @@ def test_stream_sends_openai_chunks_and_records_the_turn(served):
 
 
 def test_n_choices_stop_strings_and_client_fields(served):
-    messages = [{"role": "user", "content": "1 2 3 4"}]  # greedy: "14334"
-    greedy = _chat(served, "greedy", messages, temperature=0, max_tokens=40, n=3)
+    messages = [{"role": "user", "content": "1 2 3 4"}]
+    # tools this template does not render: described in a system message, in both requests
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    greedy = _chat(served, "greedy", messages, temperature=0, max_tokens=40, n=3, tools=tools)
     texts = [c.message.content for c in greedy.choices]
     assert len(texts) == 3 and len(set(texts)) == 1  # greedy: one reply three times
     full = texts[0]
@@ -181,8 +183,7 @@ def test_n_choices_stop_strings_and_client_fields(served):
         served, "stopped", messages, temperature=0, max_tokens=40, stop=[stop, "never"],
         # fields the client may send that this server accepts and ignores
         frequency_penalty=0, presence_penalty=0, logprobs=False, user="u", seed=3,
-        tool_choice="auto", response_format={"type": "text"},
-        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        tool_choice="auto", response_format={"type": "text"}, tools=tools,
     )  # fmt: skip
     assert cut.choices[0].message.content == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
