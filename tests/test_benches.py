@@ -129,6 +129,12 @@ SMOKES = {
         (rf"^\| 4 \| {NUM} GiB \| .* \| (?P<one>{NUM}) \| (?P<micro>{NUM}) \|$",),
         agree=("one", "micro"),
     ),
+    # 1 and 2 clients, 2 requests of 2 tokens, through the endpoint batched and one at a time
+    "serve_load": Smoke(
+        "serve_load.py",
+        "--smoke",
+        tuple(rf"^\| {c} \| {POS} \| {POS} \| {POS} \| {POS} \| \d+ \| {POS} \|" for c in (1, 2)),
+    ),
     # every suite task on 2 problems
     "sparse_suite": Smoke(
         "sparse_suite.py",

@@ -2,7 +2,11 @@
 
 `EngineBackend` wraps any `RolloutEngine`: one lock orders generations and weight pushes, so a
 push lands between two generations, never inside one, and every generation reports the weight
-version that produced all of its completions.
+version that produced all of its completions. Requests that arrive while the engine is busy
+wait in a queue; the next free request thread takes all of them and makes one engine call per
+kind of sampling (the engine batches their prompts), so concurrent clients share engine calls
+instead of taking turns. A seeded request runs in a call of its own: batched, the engine would
+give it another seed than it asked for.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ class ServeBackend(Protocol):
         ...
 
 
+@dataclasses.dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    n: int
+    sampling: SamplingConfig
+    done: bool = False
+    result: tuple[list[Completion], int] | None = None
+    error: BaseException | None = None
+
+
 class EngineBackend:
     """A `ServeBackend` over a `RolloutEngine`, with weight pushes between generations.
 
@@ -50,6 +64,8 @@ class EngineBackend:
         context: where the engine runs; None: a single CPU process.
         max_context: the model's context length; None: read from the engine's model config
             (`max_position_embeddings`) when it has one.
+        max_batch: the most requests one engine call takes (1: one request per call, each
+            waiting for the engine in turn).
     """
 
     def __init__(
@@ -59,9 +75,15 @@ class EngineBackend:
         *,
         context: EngineContext | None = None,
         max_context: int | None = None,
+        max_batch: int = 64,
     ) -> None:
-        self.engine, self.tokenizer = engine, tokenizer
-        self._lock = threading.Lock()
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.engine, self.tokenizer, self.max_batch = engine, tokenizer, max_batch
+        self._lock = threading.Lock()  # the engine: one call or one push at a time
+        self._queue_lock = threading.Lock()
+        self._pending: list[_Request] = []
+        self.engine_calls = 0  # how many engine calls served the requests so far
         engine.start(context or EngineContext())
         if max_context is None:
             config = getattr(getattr(engine, "model", None), "config", None)
@@ -71,14 +93,45 @@ class EngineBackend:
     def generate(
         self, prompt_ids: list[int], n: int, sampling: SamplingConfig
     ) -> tuple[list[Completion], int]:
-        # Greedy replies are all the same; HF's generate refuses n > 1 without sampling.
-        greedy = sampling.temperature == 0 and n > 1
-        with self._lock:
-            (completions,) = self.engine.generate([prompt_ids], 1 if greedy else n, sampling)
-            version = self.engine.weight_version
-        if greedy:
-            completions = [dataclasses.replace(completions[0]) for _ in range(n)]
-        return completions, version
+        request = _Request(list(prompt_ids), n, sampling)
+        with self._queue_lock:
+            self._pending.append(request)
+        while not request.done:
+            with self._lock:  # whoever gets the engine serves every waiting request
+                if request.done:
+                    break
+                with self._queue_lock:
+                    batch = self._pending[: self.max_batch]
+                    del self._pending[: self.max_batch]
+                self._serve(batch)
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    def _serve(self, batch: list[_Request]) -> None:
+        """One engine call per kind of request (same n and sampling, unseeded); each request
+        gets its own completions and the version that sampled them."""
+        groups: dict[Any, list[_Request]] = {}
+        for r in batch:
+            # Greedy replies are all the same; HF's generate refuses n > 1 without sampling.
+            n = 1 if r.sampling.temperature == 0 else r.n
+            key = (n, repr(r.sampling)) if r.sampling.seed is None else id(r)
+            groups.setdefault(key, []).append(r)
+        for group in groups.values():
+            n = 1 if group[0].sampling.temperature == 0 else group[0].n
+            try:
+                outs = self.engine.generate([r.prompt_ids for r in group], n, group[0].sampling)
+                self.engine_calls += 1
+                version = self.engine.weight_version
+            except BaseException as exc:  # every request of the call gets the engine's error
+                for r in group:
+                    r.error, r.done = exc, True
+                continue
+            for r, completions in zip(group, outs, strict=True):
+                if n < r.n:
+                    completions = [dataclasses.replace(completions[0]) for _ in range(r.n)]
+                r.result, r.done = (list(completions), version), True
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights once the running generation (if any) is done."""
