@@ -31,12 +31,13 @@ class FeedbackScore(ScoreProvider):
 
     Args:
         positive, negative: the words (case-insensitive, whole words at the reply's start).
+            "Thanks" is not a verdict: people thank a wrong answer too.
         good, bad: the scores they give (OpenClaw-RL's +1 / −1 by default).
     """
 
     def __init__(
         self,
-        positive: Sequence[str] = ("yes", "correct", "right", "thanks", "great"),
+        positive: Sequence[str] = ("yes", "correct", "right", "great"),
         negative: Sequence[str] = ("no", "wrong", "incorrect", "not quite"),
         good: float = 1.0,
         bad: float = -1.0,
@@ -60,7 +61,8 @@ class FeedbackScore(ScoreProvider):
 
 
 class FeedbackHint(HintProvider):
-    """The text after `marker` in the reply (to its end), as the turn's hint; None without it.
+    """The text after `marker` in the reply, to the end of its line (what follows on other
+    lines is the user's next request, not the correction), as the turn's hint; None without it.
 
     Args:
         marker: what introduces the correction (case-insensitive).
@@ -69,7 +71,7 @@ class FeedbackHint(HintProvider):
     def __init__(self, marker: str = "Hint:") -> None:
         if not marker:
             raise ValueError("FeedbackHint needs a non-empty marker")
-        self._marker = re.compile(re.escape(marker) + r"\s*(.+)", re.IGNORECASE | re.DOTALL)
+        self._marker = re.compile(re.escape(marker) + r"[ \t]*([^\n]*)", re.IGNORECASE)
 
     def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
         out: list[str | None] = []

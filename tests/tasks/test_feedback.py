@@ -18,6 +18,9 @@ def _turn(reply, role="user"):
         ("Ok.", None, None),
         ("Nothing to say", None, None),  # "no" only as a whole word
         ("not quite. hint:  try again ", -1.0, "try again"),
+        ("Thanks.", None, None),  # politeness, not a verdict: said after wrong answers too
+        ("No. Hint: it is even.\nNow, what is 3 + 4?", -1.0, "it is even."),  # to the line's end
+        ("Hint:\nsomething", None, None),
     ],
 )
 def test_the_reply_gives_a_plus_or_minus_one_score_and_the_text_after_the_marker(
