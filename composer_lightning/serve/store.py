@@ -444,10 +444,6 @@ class TurnStore:
             raise KeyError(f"TurnStore: no turn with id {turn_id!r} in {self.path!r}")
         return _turn(rows[0])
 
-    def max_version(self) -> int | None:
-        """The newest weight version any recorded turn was sampled by (None: no turn)."""
-        return self._read("SELECT MAX(version) FROM turns")[0][0]
-
     def session_turns(self, session: str) -> list[Turn]:
         """The session's turns in order."""
         rows = self._read("SELECT * FROM turns WHERE session = ? ORDER BY turn_index", (session,))

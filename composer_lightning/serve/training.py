@@ -162,20 +162,6 @@ class ServeCallback(RolloutCallback):
         from composer_lightning.serve.app import make_app
         from composer_lightning.serve.server import BackgroundServer
 
-        newest = self.store.max_version()
-        if newest is not None and newest > pl_module.policy_version:
-            # Turns were served by weights no checkpoint holds (the steps after the last one):
-            # their version labels must never name other weights, or a later batch of them
-            # would be taken as on policy and escape the importance correction.
-            log.warning(
-                "resumed at policy version %d, but the store holds turns of versions up to %d "
-                "(weights lost with the steps after the checkpoint): serving goes on as "
-                "version %d",
-                pl_module.policy_version,
-                newest,
-                newest + 1,
-            )
-            pl_module.policy_version = newest + 1
         super().on_train_start(trainer, pl_module)  # the push: replies come from these weights
         reclaimed = self.store.reclaim(JUDGE)  # claimed before a crash, never judged: now
         self._dropped_seen = self.store.counts().get("dropped/no signal", 0)

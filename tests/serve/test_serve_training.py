@@ -190,12 +190,6 @@ def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_p
     after = _trained(db)
     assert after == _checkpointed(last), "the store's trained turns are the checkpoint's"
     assert len(after) == 13 and kept < after
-    # versions 11-13 named weights lost with the kill: the resumed run never reuses them
-    served = sqlite3.connect(db).execute("SELECT MAX(version) FROM turns").fetchone()[0]
-    import torch
-
-    final = torch.load(last, map_location="cpu", weights_only=False)["composer"]
-    assert served >= 11 and final["policy_version"] == served + 1 + 3
 
 
 def test_the_store_defaults_to_the_run_directory_and_its_directory_is_made(tmp_path):
