@@ -173,7 +173,9 @@ def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_p
         ' "init_args": {"every_n_train_steps": 10, "save_last": true}},'
         ' {"class_path": "tests.helpers.SignalAt", "init_args": {"step": 13, "signum": 9}}]'
     )
-    proc, url = _serve(tmp_path, env, callbacks=callbacks, batch_size=1)
+    # no turn may go stale: clients that outrun a loaded trainer must not starve step 14
+    fresh = "--rollout.init_args.max_staleness=1000"
+    proc, url = _serve(tmp_path, env, fresh, callbacks=callbacks, batch_size=1)
     _talk(url, 40, "a", until=lambda: proc.poll() is not None)
     assert proc.wait(timeout=300) == -signal.SIGKILL
     db = str(tmp_path / "turns.sqlite")
@@ -181,8 +183,8 @@ def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_p
     kept, taken = _checkpointed(last), _trained(db)
     assert len(kept) == 10 and kept < taken and len(taken) >= 13  # steps 11-13 took turns
     proc, url = _serve(
-        tmp_path, env, f"--ckpt_path={last}", "--trainer.max_steps=13", callbacks=callbacks,
-        batch_size=1,
+        tmp_path, env, fresh, f"--ckpt_path={last}", "--trainer.max_steps=13",
+        callbacks=callbacks, batch_size=1,
     )  # fmt: skip
     assert proc.wait(timeout=300) == 0
     lasts = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "last.ckpt"]
