@@ -98,7 +98,7 @@ def parse_tool_calls(message: Message, turn: int = 0) -> list[ToolCall]:
             _tool_call(call.get("id") or f"call_{turn}_{i}", call.get("function", call))
             for i, call in enumerate(message["tool_calls"])
         ]
-    _, bodies = find_tool_calls(_text(message.get("content")))
+    _, bodies = find_tool_calls(message_text(message.get("content")))
     return [_tool_call(f"call_{turn}_{i}", body) for i, body in enumerate(bodies)]
 
 
@@ -124,10 +124,22 @@ def _tool_call(call_id: str, fn: Any) -> ToolCall:
     return ToolCall(call_id, name, args)
 
 
-def _text(content: Any) -> str:
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, or OpenAI's list of text parts ("" for None)."""
     if isinstance(content, list):  # OpenAI content parts
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return content or ""
+
+
+def same_messages(a: list[Message], b: list[Message]) -> bool:
+    """Whether two chats are the same messages: roles, texts (parts joined, ends stripped) and
+    tool calls; other fields (names, ids a client adds) are not compared."""
+    return len(a) == len(b) and all(
+        x.get("role") == y.get("role")
+        and message_text(x.get("content")).strip() == message_text(y.get("content")).strip()
+        and (x.get("tool_calls") or None) == (y.get("tool_calls") or None)
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def same_reply(message: Message, reply_text: str) -> bool:
@@ -137,7 +149,7 @@ def same_reply(message: Message, reply_text: str) -> bool:
     sent = parse_tool_calls(message)
     text, written = split_reply(reply_text)
     ours = (text, [(c.name, c.arguments) for c in written])
-    outside = find_tool_calls(_text(message.get("content")))[0].strip()
+    outside = find_tool_calls(message_text(message.get("content")))[0].strip()
     return ours == (outside, [(c.name, c.arguments) for c in sent])
 
 
@@ -157,7 +169,7 @@ def with_calls_as_text(messages: list[Message]) -> list[Message]:
                 for c in parse_tool_calls(m)
             )
             m = {k: v for k, v in m.items() if k != "tool_calls"}
-            m["content"] = _text(m.get("content")) + blocks
+            m["content"] = message_text(m.get("content")) + blocks
         out.append(m)
     return out
 
@@ -183,7 +195,10 @@ def with_tools_in_system(messages: list[Message], tools: list[dict[str, Any]]) -
     text = TOOLS_SYSTEM_TEXT.format(tools="\n".join(json.dumps(t) for t in tools))
     if messages and messages[0].get("role") == "system":
         first = messages[0]
-        return [{**first, "content": f"{_text(first.get('content'))}\n\n{text}"}, *messages[1:]]
+        return [
+            {**first, "content": f"{message_text(first.get('content'))}\n\n{text}"},
+            *messages[1:],
+        ]
     return [{"role": "system", "content": text}, *messages]
 
 

@@ -125,26 +125,6 @@ def _turn(row: sqlite3.Row) -> Turn:
     return Turn(**data)
 
 
-def message_text(content: Any) -> str:
-    """The text of a message's content: a string, or OpenAI's list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-
-
-def _same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    """Whether two chats are the same messages: roles, texts (parts joined, ends stripped) and
-    tool calls; other fields (names, ids a client adds) are not compared."""
-    return len(a) == len(b) and all(
-        x.get("role") == y.get("role")
-        and message_text(x.get("content")).strip() == message_text(y.get("content")).strip()
-        and (x.get("tool_calls") or None) == (y.get("tool_calls") or None)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
 class TurnStore:
     """Served turns in one SQLite file (module docstring).
 
@@ -264,7 +244,7 @@ class TurnStore:
         """
         # here, not at the top: this file runs on the standard library alone (tests load it
         # by path in processes without the package's heavy imports)
-        from composer_lightning.chat.tool_calls import same_reply
+        from composer_lightning.chat.tool_calls import same_messages, same_reply
 
         with self._write() as db:
             rows = db.execute(
@@ -275,7 +255,7 @@ class TurnStore:
             for row in rows:
                 context = json.loads(row["messages"])
                 k = len(context)
-                if k >= len(messages) or not _same_messages(context, messages[:k]):
+                if k >= len(messages) or not same_messages(context, messages[:k]):
                     continue
                 reply = messages[k]
                 if reply.get("role") != "assistant" or not same_reply(reply, row["response_text"]):
