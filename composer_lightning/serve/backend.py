@@ -112,14 +112,13 @@ class EngineBackend:
     def _serve(self, batch: list[_Request]) -> None:
         """One engine call per kind of request (same n and sampling, unseeded); each request
         gets its own completions and the version that sampled them."""
-        groups: dict[Any, list[_Request]] = {}
+        groups: dict[Any, tuple[int, list[_Request]]] = {}
         for r in batch:
             # Greedy replies are all the same; HF's generate refuses n > 1 without sampling.
             n = 1 if r.sampling.temperature == 0 else r.n
             key = (n, repr(r.sampling)) if r.sampling.seed is None else id(r)
-            groups.setdefault(key, []).append(r)
-        for group in groups.values():
-            n = 1 if group[0].sampling.temperature == 0 else group[0].n
+            groups.setdefault(key, (n, []))[1].append(r)
+        for n, group in groups.values():
             try:
                 outs = self.engine.generate([r.prompt_ids for r in group], n, group[0].sampling)
                 self.engine_calls += 1
