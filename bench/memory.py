@@ -426,8 +426,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, copy_gib, c, f, _ in rows:
         est = " (est.)" if f.get("est") else ""
-        if "error" in c or "error" in f:
-            print(f"| {shape} | {copy_gib:.2f} GiB | error: {f.get('error') or c.get('error')} |")
+        if (error := first_error(f, c)) is not None:
+            print(f"| {shape} | {copy_gib:.2f} GiB | error: {error} |")
             continue
         loss_f = "—" if f.get("est") else f"{f['losses'][0]:.6f}"
         peak_f = "—" if f.get("est") else f"{f['peak_GiB']:.2f} GiB"
@@ -448,14 +448,19 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|")
         for shape, c, h in fixed:
-            if "error" in c or "error" in h:
-                print(f"| {shape} | error: {h.get('error') or c.get('error')} |")
+            if (error := first_error(h, c)) is not None:
+                print(f"| {shape} | error: {error} |")
                 continue
             print(
                 f"| {shape} | {c['peak_GiB']:.2f} GiB | {h['peak_GiB']:.2f} GiB | "
                 f"{h['peak_GiB'] / c['peak_GiB']:.2f} | {c['step_s']:.1f} | {h['step_s']:.1f} | "
                 f"{h['step_s'] / c['step_s']:.2f} |"
             )
+
+
+def first_error(*runs: dict) -> object:
+    """The first of `runs` that failed: its error (the last lines of its stderr); None if none."""
+    return next((r["error"] for r in runs if "error" in r), None)
 
 
 def widths_for(smoke: bool, hidden: int | None) -> dict:
@@ -500,19 +505,19 @@ def micro_table(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for B, one, micro in rows:
-        if "error" in one or "error" in micro:
-            print(f"| {B} | error: {one.get('error') or micro.get('error')} |")
+        if (error := first_error(one, micro)) is not None:
+            print(f"| {B} | error: {error} |")
             continue
-        peak = [r["base_GiB"] + r["state_extra_GiB"] for r in (one, micro)]
+        peak = [r["peak_GiB"] for r in (one, micro)]
         per_token = [1e3 * r["step_s"] / r["tokens"] for r in (one, micro)]
         print(
             f"| {B} | {peak[0]:.2f} GiB | {peak[1]:.2f} GiB | {peak[1] / peak[0]:.2f} | "
             f"{per_token[0]:.3f} | {per_token[1]:.3f} | {per_token[1] / per_token[0]:.2f} | "
             f"{one['losses'][0]:.6f} | {micro['losses'][0]:.6f} |"
         )
-    ok = [(one, micro) for _, one, micro in rows if "error" not in one and "error" not in micro]
+    ok = [(one, micro) for _, one, micro in rows if first_error(one, micro) is None]
     if len(ok) > 1:
-        peaks = [m["base_GiB"] + m["state_extra_GiB"] for _, m in ok]
+        peaks = [m["peak_GiB"] for _, m in ok]
         print(
             f"micro-batched, largest / smallest batch: peak RSS {max(peaks) / min(peaks):.3f}, "
             f"time per token {max(r['step_s'] / r['tokens'] for _, r in ok) / min(r['step_s'] / r['tokens'] for _, r in ok):.3f}"
