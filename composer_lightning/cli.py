@@ -356,4 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         if line is None:
             raise
         raise SystemExit(f"composer_lightning: {line}") from None
+    finally:
+        _release_process_group()
     return 0
+
+
+def _release_process_group() -> None:
+    """Destroy the run's process group (local under gloo: no collective) while Python still
+    runs, whatever ended the run. Left to the interpreter's exit, its C++ threads were torn
+    down in static-destructor order, and a rank whose peer's node had already gone (a
+    scheduler's SIGTERM to one node: both stop and save, then exit) once aborted there with
+    "terminate called without an active exception" (exit -6 instead of 128 + the signal)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
