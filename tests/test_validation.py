@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+import lightning as L
 import pytest
 import torch
 
@@ -142,3 +143,63 @@ def test_held_out_lines_of_a_prompt_file_carry_the_datas_task(tmp_path):
     held = dm.validation_problems()
     assert held and all(p["task"] == "arithmetic" for p in held)
     assert RolloutCallback(HFEngine(model_path=POLICY)).val_score.check(held) is None
+
+
+class _ValWrites(L.pytorch.loggers.Logger):
+    """Records each write of held-out figures with its step."""
+
+    name, version, experiment = "val", 0, None
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        if "val/accuracy" in metrics:
+            self.writes.append((step, {k: v for k, v in metrics.items() if k.startswith("val/")}))
+
+
+def _before_train_fit(tmp_path, ckpt_path=None, max_steps=2):
+    cb = RolloutCallback(
+        HFEngine(model_path=POLICY, seed=0),
+        group_size=2,
+        sampling=SamplingConfig(max_tokens=4, seed=0),
+        val_samples=2,
+        val_before_train=True,
+    )
+    dm = RolloutDataModule(task="arithmetic", prompts_per_step=2, val_prompts=4)
+    module = ComposerModule(POLICY, [DrGRPOHead()], optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=1, save_top_k=-1)
+    logger = _ValWrites()
+    trainer = quiet_trainer(
+        callbacks=[cb, ckpt],
+        logger=logger,
+        max_steps=max_steps,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return logger.writes, cb, dm
+
+
+def test_val_before_train_logs_the_untrained_policys_figures_at_step_0(tmp_path):
+    """`val_before_train`: held-out figures at step 0, equal to `validate` on the untrained
+    policy, then the schedule's own after step 2 (logged at step 1, the step of the training
+    figures of the batch it follows, as Lightning logs it); no checkpoint of step 0; a resumed run does not
+    evaluate again before its first step."""
+    writes, cb, dm = _before_train_fit(tmp_path)
+    assert [step for step, _ in writes] == [0, 1]
+    module = ComposerModule(POLICY, [DrGRPOHead()])
+    (untrained,) = _trainer(cb, max_steps=1).validate(module, dm)
+    assert writes[0][1] == pytest.approx(untrained, abs=0)
+    assert writes[1][1] != writes[0][1]  # trained at lr 0.5: other figures
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "epoch=0-step=1.ckpt",
+        "epoch=0-step=2.ckpt",
+    ]
+    resumed, _, _ = _before_train_fit(tmp_path / "again", tmp_path / "epoch=0-step=1.ckpt")
+    assert [step for step, _ in resumed] == [1]

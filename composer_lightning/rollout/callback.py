@@ -13,7 +13,7 @@ The canary compares the engine's weight fingerprint of the version that generate
 with the trainer's (`engines/fingerprint.py`), exactly.
 
 Why this file is long: `RolloutCallback` is the class a run configures as `rollout:`, and its
-eighteen options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
+nineteen options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
 lives in the modules named above.
 """
 
@@ -49,7 +49,7 @@ from composer_lightning.rollout.generation import (
     tensor_parallel_group,
 )
 from composer_lightning.rollout.providers import share_trainer_state
-from composer_lightning.rollout.validation import evaluate
+from composer_lightning.rollout.validation import evaluate, validate_now
 from composer_lightning.runtime.calls import check_timeout
 from composer_lightning.runtime.distributed import (
     StepMetrics,
@@ -116,6 +116,9 @@ class RolloutCallback(L.Callback):
         turn_score: a score provider of the turns that have a next state (e.g.
             `NextStateJudgeScore`, the PRM on `(a_t, s_{t+1})`): such a turn is rewarded by it
             as a sample of its own; None: every turn gets its episode's outcome.
+        val_before_train: run the held-out evaluation once before the first step (verl's
+            `val_before_train`), logged at step 0, so a run's before and after come from the
+            run itself; a resumed run does not repeat it.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class RolloutCallback(L.Callback):
         max_episode_tokens: int | None = None,
         env_timeout: float | None = 30.0,
         turn_score: ScoreProvider | None = None,
+        val_before_train: bool = False,
     ):
         check_settings(
             group_size=group_size,
@@ -165,6 +169,7 @@ class RolloutCallback(L.Callback):
             max_turns, max_episode_tokens, check_timeout(env_timeout, "rollout.env_timeout")
         )
         self._ahead = GenerationAhead(max_staleness, engine_timeout)
+        self.val_before_train = bool(val_before_train)
         self._fingerprints: dict[int, Fingerprint] = {}  # the trainer's, by version
         self._samples: list[dict[str, Any]] = []
         self._last_start: float | None = None
@@ -205,6 +210,8 @@ class RolloutCallback(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._push(pl_module)  # also re-syncs a resumed run from the restored weights
+        if self.val_before_train and trainer.global_step == 0:
+            validate_now(trainer)
 
     def _push(self, pl_module: L.LightningModule) -> float:
         """Push the policy's weights to the engine, fingerprinting them on the way."""

@@ -114,3 +114,15 @@ def evaluate(
         "reward_mean": (sum(rewards) / len(rewards) if rewards else 0.0, float(len(rewards))),
         "response_length": (sum(lengths) / len(lengths), float(len(lengths))),
     }
+
+
+def validate_now(trainer: Any) -> None:
+    """Run the fit's validation loop now, as Lightning runs it between two training batches
+    (`_TrainingEpochLoop.on_advance_end`): its figures are logged at the current step. Used
+    before the first step (`RolloutCallback(val_before_train=True)`)."""
+    connector = trainer._logger_connector
+    first_loop_iter = connector._first_loop_iter
+    trainer.validating = True
+    trainer.fit_loop.epoch_loop.val_loop.run()
+    trainer.training = True
+    connector._first_loop_iter = first_loop_iter
