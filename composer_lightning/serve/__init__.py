@@ -3,7 +3,8 @@
 `TurnStore` (store.py) keeps served turns durably from recording to training; `make_app`
 (app.py) is the endpoint; `EngineBackend` (backend.py) puts a rollout engine behind it;
 `BackgroundServer` (server.py) runs it with uvicorn on a thread; `ServeCallback` (training.py)
-and `ServeDataModule` (data.py) train on what was served (`python -m composer_lightning serve`).
+and `ServeDataModule` (data.py) train on what was served (`python -m composer_lightning serve`);
+lineage.py counts the optimizer steps between two weight versions when restarts fork the run.
 
 May import: every room below it in `composer_lightning.LAYERS` (it trains through the
 rollout callback's push and the module's step).

@@ -118,6 +118,7 @@ def make_app(
     session_timeout_s: float | None = None,
     disconnect_poll_s: float = 0.1,
     train_sampling: SamplingConfig | None = None,
+    launch: int = 0,
 ) -> FastAPI:
     """The serving app.
 
@@ -142,6 +143,8 @@ def make_app(
             of a request that names none): a turn sampled otherwise (another
             temperature, top_p < 1, greedy) is recorded and dropped at once ("sampling"), since
             its log-probs are not those the trainer computes; None: every turn is trainable.
+        launch: the start of the run serving (`TurnStore.begin_launch`), recorded with each turn
+            and in its `system_fingerprint` (`serve/lineage.py`); 0: none.
     """
     if max_request_bytes < 1 or max_n < 1 or default_max_tokens < 1:
         raise ValueError(
@@ -258,7 +261,7 @@ def make_app(
             await run_in_threadpool(
                 store.record, req.session, req.messages, prompt_ids, first.token_ids,
                 choices[0].text, first.logprobs, version, req.tools,
-                "sampling" if untrainable else None,
+                "sampling" if untrainable else None, launch,
             )  # fmt: skip
             metrics.turns_recorded += 1
         if req.session_done and not req.side:
@@ -271,8 +274,8 @@ def make_app(
         }
         cid = new_id()
         if not req.stream:
-            return JSONResponse(completion_body(req, cid, served, usage, version))
-        chunks = chunk_bodies(req, cid, served, usage, version)
+            return JSONResponse(completion_body(req, cid, served, usage, version, launch))
+        chunks = chunk_bodies(req, cid, served, usage, version, launch)
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
     return app

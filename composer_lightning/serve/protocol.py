@@ -245,8 +245,20 @@ def new_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
+def weights_label(version: int, launch: int = 0) -> str:
+    """The reply's `system_fingerprint`: `weights-v<version>`, and `-l<launch>` after it from
+    the second launch of a store on (`serve/lineage.py`), so no label names two sets of
+    weights."""
+    return f"weights-v{version}" if launch <= 1 else f"weights-v{version}-l{launch}"
+
+
 def completion_body(
-    req: ChatRequest, cid: str, choices: list[Choice], usage: dict[str, int], version: int
+    req: ChatRequest,
+    cid: str,
+    choices: list[Choice],
+    usage: dict[str, int],
+    version: int,
+    launch: int = 0,
 ) -> dict[str, Any]:
     """A `chat.completion` object."""
     return {
@@ -254,7 +266,7 @@ def completion_body(
         "object": "chat.completion",
         "created": int(time.time()),
         "model": req.model,
-        "system_fingerprint": f"weights-v{version}",
+        "system_fingerprint": weights_label(version, launch),
         "choices": [
             {
                 "index": i,
@@ -276,7 +288,12 @@ def _message_of(c: Choice) -> dict[str, Any]:
 
 
 def chunk_bodies(
-    req: ChatRequest, cid: str, choices: list[Choice], usage: dict[str, int], version: int
+    req: ChatRequest,
+    cid: str,
+    choices: list[Choice],
+    usage: dict[str, int],
+    version: int,
+    launch: int = 0,
 ) -> list[dict[str, Any]]:
     """The `chat.completion.chunk` objects of a finished reply: per choice its role, its text,
     its finish reason; then the usage when asked for (`stream_options.include_usage`)."""
@@ -285,7 +302,7 @@ def chunk_bodies(
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": req.model,
-        "system_fingerprint": f"weights-v{version}",
+        "system_fingerprint": weights_label(version, launch),
     }
 
     def chunk(i: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:

@@ -2,12 +2,13 @@
 
 A turn is one served assistant reply: its context (the request's chat messages and tools), the
 prompt ids the chat template gave once on the server, the sampled response ids, text and
-engine log-probs, and the weight version that sampled it. Its life:
+engine log-probs, and the weight version (and launch: `serve/lineage.py`) that sampled it. Its
+life:
 
     recorded ──(next request of the session shows what followed it)──> ready
     recorded ──(session ended, or no next request within the timeout)──> ready (empty next state)
     ready ──claim──> judging ──set_judged──> judged ──take_judged──> trained
-    judged ──take_judged(min_version) on an older version──> dropped ("stale")
+    judged ──take_judged on weights too many steps back──> dropped ("stale")
 
 Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn whose `record`
 returned survives a kill -9 or a power cut. A judge claims turns under a name; a claim that its
@@ -29,7 +30,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,12 @@ CREATE TABLE IF NOT EXISTS sessions (
     session TEXT PRIMARY KEY,
     owner TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS launches (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    parent INTEGER,
+    start_version INTEGER NOT NULL,
+    created REAL NOT NULL
+);
 """
 
 _JSON_FIELDS = ("messages", "tools", "prompt_ids", "response_ids", "logprobs", "next_state")
@@ -84,6 +91,8 @@ class Turn:
         prompt_ids: the chat template of `messages` (and `tools`) with the generation prompt.
         response_ids, response_text, logprobs: the sampled reply and its engine log-probs.
         version: the weight version that sampled it. created: when it was recorded (epoch s).
+        launch: the start of the run whose weights sampled it (`begin_launch`; 0: a turn
+            recorded before launches were, or outside a run); see `serve/lineage.py`.
         state: where it is in its life (module docstring).
         next_state: the messages that followed the reply in the session's next request; [] when
             the session ended or timed out first; None while unknown.
@@ -112,10 +121,15 @@ class Turn:
     hint: str | None
     drop_reason: str | None
     attempts: int = 0
+    launch: int = 0
 
 
 #: columns added after the first stores were written: (name, definition), added on open
-_ADDED_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("retry_at", "REAL"))
+_ADDED_COLUMNS = (
+    ("attempts", "INTEGER NOT NULL DEFAULT 0"),
+    ("retry_at", "REAL"),
+    ("launch", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 
 def _turn(row: sqlite3.Row) -> Turn:
@@ -185,6 +199,7 @@ class TurnStore:
         version: int,
         tools: list[dict[str, Any]] | None = None,
         drop_reason: str | None = None,
+        launch: int = 0,
     ) -> int:
         """Store a served turn as the session's next one; returns its id once it is on disk.
 
@@ -200,8 +215,8 @@ class TurnStore:
             ).fetchone()
             cur = db.execute(
                 "INSERT INTO turns (session, turn_index, messages, tools, prompt_ids, "
-                "response_ids, response_text, logprobs, version, created, state, drop_reason) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "response_ids, response_text, logprobs, version, created, state, drop_reason, "
+                "launch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     session,
                     0 if last is None else last + 1,
@@ -215,9 +230,25 @@ class TurnStore:
                     time.time(),
                     "recorded" if drop_reason is None else "dropped",
                     drop_reason,
+                    int(launch),
                 ),
             )
             return int(cur.lastrowid)
+
+    def begin_launch(self, parent: int | None, start_version: int) -> int:
+        """Record a start of the run, from weight version `start_version`, resumed from a
+        checkpoint of launch `parent` (None: a fresh start); returns its id, never reused."""
+        with self._write() as db:
+            cur = db.execute(
+                "INSERT INTO launches (parent, start_version, created) VALUES (?, ?, ?)",
+                (None if parent is None else int(parent), int(start_version), time.time()),
+            )
+            return int(cur.lastrowid)
+
+    def launches(self) -> dict[int, tuple[int | None, int]]:
+        """Every launch: id -> (parent launch or None, start version) (`serve/lineage.py`)."""
+        rows = self._read("SELECT id, parent, start_version FROM launches")
+        return {int(r[0]): (None if r[1] is None else int(r[1]), int(r[2])) for r in rows}
 
     def bind_session(self, session: str, owner: str) -> bool:
         """Bind `session` to `owner` at its first request; whether `owner` holds it (a session
@@ -377,13 +408,21 @@ class TurnStore:
         with self._write() as db:
             return db.execute(sql, args).rowcount == 1
 
-    def take_judged(self, limit: int, min_version: int | None = None) -> list[Turn]:
+    def take_judged(
+        self,
+        limit: int,
+        min_version: int | None = None,
+        stale: Callable[[int, int], bool] | None = None,
+    ) -> list[Turn]:
         """Hand up to `limit` judged turns to training, oldest first, marking them `trained`.
 
         Args:
             limit: the most turns returned (≥ 1).
             min_version: judged turns sampled by an older weight version are dropped as "stale"
                 first (all of them, counted in `counts()["dropped/stale"]`).
+            stale: `stale(launch, version)`: whether a judged turn of that launch and version
+                is too old to train on; such turns are dropped as "stale" first, all of them,
+                in the same transaction.
         """
         if limit < 1:
             raise ValueError(f"take_judged: limit must be >= 1, got {limit!r}")
@@ -393,6 +432,12 @@ class TurnStore:
                     "UPDATE turns SET state = 'dropped', drop_reason = 'stale' "
                     "WHERE state = 'judged' AND version < ?",
                     (int(min_version),),
+                )
+            if stale is not None:
+                rows = db.execute("SELECT id, launch, version FROM turns WHERE state = 'judged'")
+                old = [(r[0],) for r in rows if stale(int(r[1]), int(r[2]))]
+                db.executemany(
+                    "UPDATE turns SET state = 'dropped', drop_reason = 'stale' WHERE id = ?", old
                 )
             ids = [
                 r[0]

@@ -11,8 +11,10 @@ timeout): the turn goes to the score and hint providers as an episode's turn doe
 hint) is stored; a turn with neither is dropped (the fourth dispatch path). Each optimizer step
 takes `batch_size` judged turns, oldest first: one sample each (G = 1, OpenClaw-RL's reward
 broadcast: no group baseline), its hinted teacher context built as for any turn, and each with
-its own weight version — turns more than `max_staleness` versions old are dropped (counted),
-the rest are importance-corrected per token against their engine log-probs (`importance_cap`).
+its own weight version — turns more than `max_staleness` optimizer steps from the trained
+weights are dropped (counted; across restarts the steps are counted through the version tree,
+`lineage.py`), the rest are importance-corrected per token against their engine log-probs
+(`importance_cap`).
 After the step the weights are pushed into the engine between two generations, never inside
 one: serving never waits for training, only for the one generation in flight.
 
@@ -21,7 +23,12 @@ with top_p = 1 and no top_k (the trainer's log-probs are those of that distribut
 requests (greedy evaluation, another temperature) are served and recorded but not trained on
 (dropped, "sampling"). The store is durable: after a crash (kill -9) and a restart every
 recorded turn is still there, a turn is judged once, and turns taken by a step that no
-checkpoint holds are handed back to training.
+checkpoint holds are handed back to training; the turns the lost weights served keep their
+own place in the version tree (a resumed run's version numbers say nothing about them).
+
+Why this file is long: `ServeCallback` is the class a `serve` run configures as `rollout:`, and
+its options are documented on it (what `--help` shows); the order of its start (restore, push,
+hand-back, launch, serve, judge) and of its stop only holds read together.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.moved import moved_attribute
 from composer_lightning.runtime.rundir import run_dir
+from composer_lightning.serve.lineage import distance
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
 
 log = logging.getLogger(__name__)
@@ -136,6 +144,8 @@ class ServeCallback(RolloutCallback):
         self._stop = threading.Event()
         self._trained: list[int] = []  # turn ids taken by the steps done (checkpointed)
         self._restored_trained: list[int] | None = None
+        self._launch = 0  # this start of the run (`TurnStore.begin_launch`)
+        self._parent_launch: int | None = None  # the launch whose checkpoint was restored
         self._dropped_seen = 0  # the store's no-signal drops at the last step (or the start)
 
     # ------------------------------------------------------------------ start and stop
@@ -163,6 +173,7 @@ class ServeCallback(RolloutCallback):
         from composer_lightning.serve.server import BackgroundServer
 
         super().on_train_start(trainer, pl_module)  # the push: replies come from these weights
+        self._launch = self.store.begin_launch(self._parent_launch, pl_module.policy_version)
         reclaimed = self.store.reclaim(JUDGE)  # claimed before a crash, never judged: now
         self._dropped_seen = self.store.counts().get("dropped/no signal", 0)
         if self._restored_trained is not None:  # a step no checkpoint holds: hand them back
@@ -181,6 +192,7 @@ class ServeCallback(RolloutCallback):
             default_max_tokens=self.sampling.max_tokens,
             session_timeout_s=self.session_timeout_s,
             train_sampling=self.sampling,
+            launch=self._launch,
         )
         self.server = BackgroundServer(self.app, host=self.host, port=self.port)
         self.url = self.server.start()
@@ -281,7 +293,7 @@ class ServeCallback(RolloutCallback):
         turns = self.take(trainer, version)
         self._trained += [t.id for t in turns]
         tokenizer = trainer.datamodule.tokenizer
-        rollout = self.samples(turns, tokenizer)
+        rollout = self.samples(turns, tokenizer, version)
         metrics = StepMetrics()
         counts = self.store.counts()
         _, paths = dispatch(
@@ -304,7 +316,7 @@ class ServeCallback(RolloutCallback):
             kind="max",
         )
         metrics.max("serve/wait_time", time.perf_counter() - start)
-        metrics.max("rollout/staleness_max", float(version - min(t.version for t in turns)))
+        metrics.max("rollout/staleness_max", float(max(self.distances(turns, version))))
         rewarded = [t.reward for t in turns if t.reward is not None]
         metrics.mean(
             "rollout/reward_mean", sum(rewarded) / len(rewarded) if rewarded else 0.0,
@@ -323,23 +335,36 @@ class ServeCallback(RolloutCallback):
 
     def take(self, trainer: L.Trainer, version: int) -> list[Any]:
         """`batch_size` judged turns for a step at policy `version`, oldest first, waiting for
-        them (serving all the while); turns more than `max_staleness` versions old are dropped
-        on the way ("stale")."""
+        them (serving all the while); turns sampled more than `max_staleness` optimizer steps
+        away from these weights (`serve/lineage.py`: a turn the weights a crash lost served is
+        never near) are dropped on the way ("stale")."""
         turns: list[Any] = []
         while len(turns) < self.batch_size:
             if _signalled(trainer):  # stop while waiting: the last whole step is saved
                 raise SIGTERMException()
-            taken = self.store.take_judged(
-                self.batch_size - len(turns), min_version=version - self.stale_limit
-            )
+            taken = self.store.take_judged(self.batch_size - len(turns), stale=self._stale(version))
             turns += taken
             if not taken:
                 time.sleep(self.poll_s)
         return turns
 
-    def samples(self, turns: list[Any], tokenizer: Any) -> RolloutBatch:
-        """The rollout batch of judged `turns`: one sample (and group) each, with its engine
-        log-probs and, for a hinted turn, its teacher context."""
+    def _stale(self, version: int) -> Any:
+        """`stale(launch, turn_version)` for `take_judged`: farther than `max_staleness`
+        optimizer steps from this launch's weights at `version`."""
+        launches, here = self.store.launches(), (self._launch, version)
+        return lambda launch, v: distance(launches, here, (launch, v)) > self.stale_limit
+
+    def distances(self, turns: list[Any], version: int) -> list[int]:
+        """Each turn's optimizer steps from the weights of this launch at `version`."""
+        launches, here = self.store.launches(), (self._launch, version)
+        return [distance(launches, here, (t.launch, t.version)) for t in turns]
+
+    def samples(self, turns: list[Any], tokenizer: Any, version: int) -> RolloutBatch:
+        """The rollout batch of judged `turns` for a step at policy `version`: one sample (and
+        group) each, with its engine log-probs and, for a hinted turn, its teacher context.
+        The batch is stamped `version` minus its farthest turn's distance: on policy only when
+        every turn was sampled by these very weights, else importance-corrected row by row
+        against the engine log-probs."""
         rows = []
         for t in turns:
             c = Completion(list(t.response_ids), list(t.logprobs), "stop")
@@ -356,7 +381,7 @@ class ServeCallback(RolloutCallback):
             max_response_length=self.sampling.max_tokens,
             engine_logprobs=[[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in turns],
         )
-        rb.policy_version = min(t.version for t in turns)  # stale rows: importance-corrected
+        rb.policy_version = version - max(self.distances(turns, version))
         return rb
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -364,11 +389,12 @@ class ServeCallback(RolloutCallback):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"trained": list(self._trained)}
+        return {"trained": list(self._trained), "launch": self._launch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._trained = list(state_dict.get("trained", []))
         self._restored_trained = list(self._trained)
+        self._parent_launch = state_dict.get("launch")  # None: a checkpoint of an older release
 
 
 def store_file(trainer: L.Trainer, store: str | None) -> str:

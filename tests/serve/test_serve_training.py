@@ -5,6 +5,7 @@ saves and exits."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -131,12 +132,11 @@ def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
     proc, url = _serve(tmp_path, env, f"--ckpt_path={last}")
     try:
         first = talk.ask(openai.OpenAI(base_url=url, api_key="none"), [{"role": "user", "content": "1 + 1?"}], "c", done=True)  # fmt: skip
-        # served only once the restored weights are in the engine (never the base weights)
-        assert (
-            int(first.system_fingerprint.removeprefix("weights-v"))
-            >= restored["policy_version"]
-            > 0
-        )
+        # served only once the restored weights are in the engine (never the base weights),
+        # under labels of the second launch: no label names the lost weights and these both
+        label = re.fullmatch(r"weights-v(\d+)-l(\d+)", first.system_fingerprint)
+        assert label and int(label[2]) == 2, first.system_fingerprint
+        assert int(label[1]) >= restored["policy_version"] > 0
         _talk(url, 2, "b")
         time.sleep(1)
         after = sqlite3.connect(db).execute("SELECT id FROM turns").fetchall()
@@ -192,6 +192,9 @@ def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_p
     after = _trained(db)
     assert after == _checkpointed(last), "the store's trained turns are the checkpoint's"
     assert len(after) == 13 and kept < after
+    # the resumed run is the store's second launch, a child of the first at version 10
+    launches = sqlite3.connect(db).execute("SELECT id, parent, start_version FROM launches")
+    assert sorted(launches) == [(1, None, 0), (2, 1, 10)]
 
 
 def test_the_store_defaults_to_the_run_directory_and_its_directory_is_made(tmp_path):
@@ -249,7 +252,7 @@ def test_a_step_drops_stale_turns_and_stamps_the_batch_with_its_oldest_version(t
     turns = cb.take(trainer, version=6)
     assert [t.version for t in turns] == [5, 3]
     assert cb.store.get(ids[1]).drop_reason == "stale"
-    assert cb.samples(turns, tok).policy_version == 3
+    assert cb.samples(turns, tok, version=6).policy_version == 3
 
 
 def test_dispatch_dropped_counts_the_step_not_the_store():

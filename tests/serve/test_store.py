@@ -214,7 +214,7 @@ def test_bad_arguments_name_the_value(tmp_path, call, match):
 
 
 def test_a_store_written_before_judge_retries_opens_and_gains_their_columns(tmp_path):
-    """A store from before `attempts` / `retry_at` existed: opened, the columns are added and
+    """A store from before `attempts` / `retry_at` / `launch` existed: opened, the columns are added and
     its turns keep their states (the turns of a running deployment are not lost on upgrade)."""
     import sqlite3
 
@@ -236,5 +236,21 @@ def test_a_store_written_before_judge_retries_opens_and_gains_their_columns(tmp_
     db.close()
     store = TurnStore(path)
     (turn,) = store.claim_ready(1, claimant="j")
-    assert (turn.state, turn.attempts) == ("judging", 0)
+    assert (turn.state, turn.attempts, turn.launch) == ("judging", 0, 0)  # 0: before launches
+    assert store.launches() == {} and store.begin_launch(None, 0) == 1
     assert store.release(turn.id, claimant="j", retry_after_s=0) == 1
+
+
+def test_launch_ids_are_never_reused_and_keep_their_parent(tmp_path):
+    """Each start of a run is a new launch id, also after the store is reopened; a turn keeps
+    the launch that served it."""
+    store = TurnStore(tmp_path / "turns.db")
+    first = store.begin_launch(None, 0)
+    second = store.begin_launch(first, 10)
+    store.close()
+    store = TurnStore(tmp_path / "turns.db")
+    third = store.begin_launch(first, 10)
+    assert (first, second, third) == (1, 2, 3)
+    assert store.launches() == {1: (None, 0), 2: (1, 10), 3: (1, 10)}
+    turn = store.record("s", [USER], [1], [2], "r", [-1.0], 11, launch=third)
+    assert store.get(turn).launch == 3
