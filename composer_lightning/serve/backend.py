@@ -24,6 +24,7 @@ from composer_lightning.engines.base import (
     RolloutEngine,
     SamplingConfig,
 )
+from composer_lightning.engines.fingerprint import Fingerprint
 
 
 @runtime_checkable
@@ -132,10 +133,14 @@ class EngineBackend:
                     completions = [dataclasses.replace(completions[0]) for _ in range(r.n)]
                 r.result, r.done = (list(completions), version), True
 
-    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights once the running generation (if any) is done."""
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> Fingerprint | None:
+        """Load new weights once the running generation (if any) is done; returns the engine's
+        fingerprint of the weights it then holds, read before any generation runs (None: an
+        engine that cannot read its weights back)."""
         with self._lock:
             self.engine.load_weights(weights, version)
+            read = getattr(self.engine, "weight_fingerprint", None)
+            return read() if callable(read) else None
 
     @property
     def weight_version(self) -> int:

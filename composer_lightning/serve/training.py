@@ -40,9 +40,11 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
+from composer_lightning.engines.fingerprint import FingerprintRecorder
 from composer_lightning.models.weights import iter_hf_weights
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.callback import RolloutCallback
@@ -55,6 +57,7 @@ from composer_lightning.runtime.moved import moved_attribute
 from composer_lightning.runtime.rundir import run_dir
 from composer_lightning.serve.lineage import distance
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
+from composer_lightning.training.canary import check_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,7 @@ class ServeCallback(RolloutCallback):
         self._trained: list[int] = []  # turn ids taken by the steps done (checkpointed)
         self._restored_trained: list[int] | None = None
         self._launch = 0  # this start of the run (`TurnStore.begin_launch`)
+        self._fingerprint_params = 0  # parameters the last push's fingerprint compared
         self._parent_launch: int | None = None  # the launch whose checkpoint was restored
         self._dropped_seen = 0  # the store's no-signal drops at the last step (or the start)
 
@@ -277,9 +281,17 @@ class ServeCallback(RolloutCallback):
 
     # ------------------------------------------------------------------ train
     def _push(self, pl_module: L.LightningModule) -> float:
+        """Push the weights and check, exactly, that the engine holds them: its fingerprint
+        read right after the load, before any request is served with them."""
         start = time.perf_counter()
         if self.backend is not None:
-            self.backend.push(iter_hf_weights(pl_module.policy), pl_module.policy_version)
+            version = pl_module.policy_version
+            dtype = getattr(torch, str(getattr(self.engine, "dtype", "")), None)
+            weights = FingerprintRecorder(
+                iter_hf_weights(pl_module.policy), dtype if isinstance(dtype, torch.dtype) else None
+            )
+            engine_print = self.backend.push(weights, version)
+            self._fingerprint_params = check_fingerprint(weights.finish(), engine_print, version)
         return time.perf_counter() - start
 
     def _synced(self, pl_module: L.LightningModule) -> bool:
@@ -316,6 +328,7 @@ class ServeCallback(RolloutCallback):
             kind="max",
         )
         metrics.max("serve/wait_time", time.perf_counter() - start)
+        metrics.max("rollout/fingerprint_params", float(self._fingerprint_params))
         metrics.max("rollout/staleness_max", float(max(self.distances(turns, version))))
         rewarded = [t.reward for t in turns if t.reward is not None]
         metrics.mean(

@@ -1,6 +1,6 @@
-"""Weight versions across restarts: the version tree of launches (`serve/lineage.py`), and
-what `ServeCallback` does with it — a turn the lost weights served is never on policy, however
-its version number compares with the resumed run's."""
+"""Which weights served a turn: the version tree of launches across restarts
+(`serve/lineage.py`) — a turn the lost weights served is never on policy, however its version
+number compares with the resumed run's — and the fingerprint check of every push."""
 
 from __future__ import annotations
 
@@ -98,3 +98,42 @@ def test_a_turn_the_lost_weights_served_is_importance_corrected_or_dropped(tmp_p
         else:
             assert cb.samples(turns, tok, version=11).policy_version == 9
             assert cb.samples(turns[1:], tok, version=11).policy_version == 11
+
+
+def test_every_push_is_checked_against_the_engines_fingerprint(tmp_path):
+    """Serving checks each push exactly, before any request sees the weights: a push that
+    reaches the engine compares every parameter; one the engine loses one tensor of stops the
+    run naming the version (serve batches mix versions, so the log-prob canary often cannot
+    compare; the fingerprint always does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.models.tiny import tiny_policy_path
+    from composer_lightning.serve.backend import EngineBackend
+    from composer_lightning.serve.training import ServeCallback
+    from composer_lightning.tasks.feedback import FeedbackScore
+    from composer_lightning.training.canary import OutOfSyncError
+
+    class LosesOne(HFEngine):
+        def load_weights(self, weights, version):
+            super().load_weights(
+                [(n, t) for n, t in weights if not n.endswith("norm.weight")], version
+            )
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_policy_path())
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(1.01)  # trained weights: unlike the engine's
+    module = SimpleNamespace(policy=policy, policy_version=3)
+    tok = AutoTokenizer.from_pretrained(tiny_policy_path())
+    for engine_class, fails in ((HFEngine, False), (LosesOne, True)):
+        engine = engine_class(model_path=tiny_policy_path())
+        cb = ServeCallback(engine, score=FeedbackScore())
+        cb.backend = EngineBackend(engine, tok)
+        if fails:
+            with pytest.raises(OutOfSyncError, match="weights of policy_version 3"):
+                cb._push(module)
+        else:
+            cb._push(module)
+            assert cb._fingerprint_params == len(list(policy.parameters()))
