@@ -259,7 +259,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M", "smollm2"])
+    ap.add_argument(
+        "--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M", "smollm2"]
+    )
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--trl-python", default=sys.executable, help="an interpreter with TRL")
     ap.add_argument("--accuracy", action="store_true")
