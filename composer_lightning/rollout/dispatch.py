@@ -334,7 +334,8 @@ def _row(
     ep: Episode, reward: float | None, turns: list[tuple[float | None, Any]]
 ) -> dict[str, Any]:
     """One sample row of `rollouts.jsonl`: a single turn as (prompt, completion, reward, hint);
-    an episode as its chat, each assistant turn with its reward and hint (`turns`)."""
+    an episode as its chat, each assistant turn with its reward and hint (`turns`), and the
+    tool specs the model was shown."""
     if len(ep.turns) == 1 and not ep.tools and not ep.turns[0].has_next_state:
         h = turns[0][1]
         return {
@@ -351,4 +352,5 @@ def _row(
             m |= {"reward": value, "hint": (hint_candidates(h) or [None])[0]}
             t += 1
         messages.append(m)
-    return {"messages": messages, "reward": reward, "status": ep.status}
+    tools = {"tools": ep.tools} if ep.tools else {}
+    return {"messages": messages, "reward": reward, "status": ep.status} | tools
