@@ -105,6 +105,16 @@ SMOKES = {
         ),
         writes=("hint_signal.json",),
     ),
+    # one timed step per configuration: an instant and a 50 ms tool, calls in turn and 2 at once
+    "episodes": Smoke(
+        "episodes.py",
+        "--delays 0 0.05 --workers 1 2 --steps 1",
+        tuple(
+            rf"^\| {w} \| {d} \| {POS} \| \d+ \| {POS} \| {NUM}x \|$"
+            for w in (1, 2)
+            for d in ("0", "0.05")
+        ),
+    ),
     # one seed of the HF-engine config for 2 steps (the bench reads any config's rewards)
     "learning": Smoke(
         "learning.py",

@@ -420,3 +420,56 @@ def test_with_a_turn_score_an_episode_cut_at_max_turns_keeps_its_outcome_on_the_
     assert rb.rewards.tolist() == [1.0, 1.0, 0.0]  # solved; looping's call, then its outcome
     ids = rb.episode_ids.tolist()
     assert ids[2] != ids[1] and ids[2] == 1  # the last turn is the episode's own sample
+
+
+def test_environments_of_different_episodes_are_stepped_concurrently():
+    """Liveness by what happened: each episode's environment waits at one barrier of 4 parties
+    in both its reset and its step, so the batch's 4 episodes end only if their calls were all in
+    flight at once (`env_workers=8`); one at a time (`env_workers=1`) each call waits alone and
+    times out. The episodes are the same as without the barrier."""
+    import threading
+
+    meet = {"barrier": threading.Barrier(4, timeout=60)}
+
+    class Meeting(ToolEnv):
+        def reset(self, problem):
+            meet["barrier"].wait()
+            return super().reset(problem)
+
+        def step(self, message):
+            meet["barrier"].wait()
+            return super().step(message)
+
+    plans = [["CALL bad", "CALL good", "5"], ["CALL good", "CALL good", "5"]]  # 3 turns each
+    together = _run(plans, env=Meeting, group=4, max_turns=3, env_workers=8)
+    plain = _run(plans, env=ToolEnv, group=4, max_turns=3, env_workers=1)
+    assert [e.status for e in together] == [e.status for e in plain] == ["done"] * 4
+    assert [e.ids for e in together] == [e.ids for e in plain]
+    assert [e.messages for e in together] == [e.messages for e in plain]
+    meet["barrier"] = threading.Barrier(4, timeout=0.2)
+    alone = _run(plans, env=Meeting, group=4, max_turns=3, env_workers=1, env_timeout=30)
+    assert [e.status for e in alone] == ["failed"] * 4
+    assert all(e.error.startswith("reset raised BrokenBarrierError") for e in alone)
+
+
+def test_a_hung_environment_fails_only_its_own_episode_among_concurrent_ones(caplog):
+    """One of 4 concurrent environments never answers its step: its episode fails after
+    `env_timeout`, the other three finish."""
+    import threading
+
+    never = threading.Event()
+    made = []
+
+    class SomeHang(ToolEnv):
+        def __init__(self):
+            made.append(self)
+            self.hangs = len(made) == 2
+
+        def step(self, message):
+            if self.hangs:
+                never.wait()
+            return super().step(message)
+
+    eps = _run([["CALL good", "5"]], env=SomeHang, group=4, max_turns=2, env_timeout=0.5)
+    assert [e.status for e in eps] == ["done", "failed", "done", "done"]
+    assert eps[1].error == "step timed out after 0.5 s"

@@ -13,7 +13,7 @@ The canary compares the engine's weight fingerprint of the version that generate
 with the trainer's (`engines/fingerprint.py`), exactly.
 
 Why this file is long: `RolloutCallback` is the class a run configures as `rollout:`, and its
-nineteen options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
+twenty options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
 lives in the modules named above.
 """
 
@@ -50,7 +50,7 @@ from composer_lightning.rollout.generation import (
 )
 from composer_lightning.rollout.providers import share_trainer_state
 from composer_lightning.rollout.validation import evaluate, validate_now
-from composer_lightning.runtime.calls import check_timeout
+from composer_lightning.runtime.calls import check_timeout, check_workers
 from composer_lightning.runtime.distributed import (
     StepMetrics,
     agree,
@@ -113,6 +113,8 @@ class RolloutCallback(L.Callback):
         max_episode_tokens: tokens per episode (prompt, turns and observations) at most; None:
             the engine's context only.
         env_timeout: seconds per environment call (reset, step) before its episode fails.
+        env_workers: environment calls of different episodes in flight at once (threads; each
+            episode has its own environment); 1: one after another.
         turn_score: a score provider of the turns that have a next state (e.g.
             `NextStateJudgeScore`, the PRM on `(a_t, s_{t+1})`): such a turn is rewarded by it
             as a sample of its own; None: every turn gets its episode's outcome.
@@ -140,6 +142,7 @@ class RolloutCallback(L.Callback):
         max_turns: int = 1,
         max_episode_tokens: int | None = None,
         env_timeout: float | None = 30.0,
+        env_workers: int = 32,
         turn_score: ScoreProvider | None = None,
         val_before_train: bool = False,
     ):
@@ -166,7 +169,10 @@ class RolloutCallback(L.Callback):
         self.max_staleness, self.engine_timeout = max_staleness, engine_timeout
         self.mask_truncated_completions = bool(mask_truncated_completions)
         self.episodes = EpisodeSettings(
-            max_turns, max_episode_tokens, check_timeout(env_timeout, "rollout.env_timeout")
+            max_turns,
+            max_episode_tokens,
+            check_timeout(env_timeout, "rollout.env_timeout"),
+            env_workers=check_workers(env_workers, "rollout.env_workers"),
         )
         self._ahead = GenerationAhead(max_staleness, engine_timeout)
         self.val_before_train = bool(val_before_train)

@@ -23,12 +23,19 @@ episode with nothing left, or whose turn hit `max_tokens`, ends `status="truncat
 environment that raises, times out (`env_timeout` per call) or returns something that is not an
 `Observation` of chat messages fails its episode (`status="failed"`, one warning line each);
 the other episodes go on.
+
+Environments of different episodes are called concurrently, up to `env_workers` calls at a time
+on threads (each episode has its own environment instance): a turn's tool calls that take real
+time (a search, a sandbox) wait side by side, not one after another, and a hung one fails only
+its own episode after `env_timeout`. Everything else (tokenising, the token deltas) stays on the
+caller's thread, in the batch's order, so the episodes are the same whatever the concurrency.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -127,6 +134,7 @@ def run_episodes(
     max_episode_tokens: int | None = None,
     context_length: int | None = None,
     env_timeout: float | None = 30.0,
+    env_workers: int = 32,
 ) -> list[list[Episode]]:
     """`group_size` episodes of each problem, turn by turn (see the module docstring).
 
@@ -145,6 +153,8 @@ def run_episodes(
             budget beyond the engine's context.
         context_length: the engine's context (a turn never exceeds it); None: unknown.
         env_timeout: seconds per environment call (None: no limit).
+        env_workers: environment calls (resets, steps) of different episodes in flight at once;
+            1: one after another.
 
     Returns:
         `result[i]`: the episodes of `problems[i]`.
@@ -153,24 +163,36 @@ def run_episodes(
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     G = group_size
     episodes = [[Episode(problem=p) for _ in range(G)] for p in problems]
-    openings: list[list[int] | None] = []
-    for i, (problem, group) in enumerate(zip(problems, episodes, strict=True)):
-        first: list[int] | None = None
+    for problem, group in zip(problems, episodes, strict=True):
         for ep in group:
             try:
                 ep.env = environment(problem)
-                limit = None if isinstance(ep.env, SingleTurn) else env_timeout
-                ep.messages = checked_opening(call_with_timeout(ep.env.reset, (problem,), limit))
-                ep.tools = getattr(ep.env, "tools", None)
-                if isinstance(ep.env, SingleTurn):
-                    ep.ids = list(prompt_ids[i])
-                else:
-                    ep.ids = render_ids(tokenizer, ep.messages, True, tools=ep.tools)
-            except CallTimeout:
-                ep.fail(f"reset timed out after {env_timeout:g} s")
-                continue
             except Exception as exc:  # a broken environment fails its episode
                 ep.fail(f"reset raised {type(exc).__name__}: {exc}")
+    started = [(i, ep) for i, group in enumerate(episodes) for ep in group if ep.alive]
+    resets = _call_all(
+        [(ep.env.reset, (problems[i],), _limit(ep, env_timeout)) for i, ep in started],
+        env_workers,
+    )
+    for (i, ep), (opening, error) in zip(started, resets, strict=True):
+        try:
+            if error is not None:
+                raise error
+            ep.messages = checked_opening(opening)
+            ep.tools = getattr(ep.env, "tools", None)
+            if isinstance(ep.env, SingleTurn):
+                ep.ids = list(prompt_ids[i])
+            else:
+                ep.ids = render_ids(tokenizer, ep.messages, True, tools=ep.tools)
+        except CallTimeout:
+            ep.fail(f"reset timed out after {env_timeout:g} s")
+        except Exception as exc:  # a broken environment fails its episode
+            ep.fail(f"reset raised {type(exc).__name__}: {exc}")
+    openings: list[list[int] | None] = []
+    for group in episodes:
+        first: list[int] | None = None
+        for ep in group:
+            if not ep.alive:
                 continue
             if first is None:
                 first = ep.ids
@@ -229,8 +251,7 @@ def run_episodes(
                     [ep.ids for ep in eps], 1, replace(sampling, seed=call_seed, max_tokens=left)
                 )
                 results.extend((ep, group[0]) for ep, group in zip(eps, outs, strict=True))
-        for ep, c in results:
-            _advance(ep, c, tokenizer, env_timeout, last=turn == max_turns - 1)
+        _advance(results, tokenizer, env_timeout, turn == max_turns - 1, env_workers)
     for group in episodes:
         for ep in group:
             ep.env = None  # environments are per episode: nothing of them outlives it
@@ -256,27 +277,94 @@ def _no_room(n: int, max_episode_tokens: int | None, context: int | None) -> str
     return f"its opening has {n} tokens: no room for a reply within {' and '.join(limits)}"
 
 
-def _advance(ep: Episode, c: Completion, tokenizer: Any, timeout: float | None, last: bool) -> None:
-    """Record turn `c` of `ep`, ask the environment for the next state, append its delta."""
+def _limit(ep: Episode, env_timeout: float | None) -> float | None:
+    """An environment call's timeout: none for a single turn (nothing to wait for)."""
+    return None if isinstance(ep.env, SingleTurn) else env_timeout
+
+
+def _call_all(
+    calls: list[tuple[Callable[..., Any], tuple[Any, ...], float | None]], workers: int
+) -> list[tuple[Any, Exception | None]]:
+    """Each `fn(*args)` under its timeout, the calls with a timeout up to `workers` at a time
+    (environments of different episodes are independent: their waits overlap); `(value,
+    None)` or `(None, the error)` per call, in order. A call without a timeout (a single turn)
+    runs in the caller's thread."""
+
+    def one(fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None) -> Any:
+        try:
+            return call_with_timeout(fn, args, timeout), None
+        except Exception as exc:  # the episode's failure, not the batch's
+            return None, exc
+
+    timed = [k for k, (_, _, timeout) in enumerate(calls) if timeout is not None]
+    out: list[Any] = [None] * len(calls)
+    if workers > 1 and len(timed) > 1:
+        with ThreadPoolExecutor(min(workers, len(timed)), "composer-env") as pool:
+            for k, result in zip(timed, pool.map(lambda k: one(*calls[k]), timed), strict=True):
+                out[k] = result
+    for k, call in enumerate(calls):
+        if out[k] is None:
+            out[k] = one(*call)
+    return out
+
+
+def _advance(
+    results: list[tuple[Episode, Completion]],
+    tokenizer: Any,
+    timeout: float | None,
+    last: bool,
+    workers: int,
+) -> None:
+    """Record each episode's turn, ask the environments for the next states (concurrently,
+    `_call_all`), then append each delta, in order."""
+    asked = []
+    for ep, c in results:
+        assistant = _record(ep, c, tokenizer)
+        if assistant is not None:
+            asked.append((ep, assistant))
+    steps = _call_all(
+        [(ep.env.step, (assistant,), _limit(ep, timeout)) for ep, assistant in asked], workers
+    )
+    for (ep, _), (obs, error) in zip(asked, steps, strict=True):
+        _observe(ep, obs, error, tokenizer, timeout, last)
+
+
+def _record(ep: Episode, c: Completion, tokenizer: Any) -> Message | None:
+    """Record turn `c` of `ep`; the assistant message for the environment, or None when the
+    turn was cut mid-way (nothing an environment could answer)."""
     text = c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
     turn = Turn(list(ep.messages), list(ep.ids), c, text)
     ep.turns.append(turn)
     assistant = {"role": "assistant", "content": text}
     ep.messages.append(assistant)
     ep.ids = ep.ids + list(c.token_ids)
-    if c.finish_reason == "length":  # cut mid-turn: nothing an environment could answer
+    if c.finish_reason == "length":
         ep.status = "truncated"
-        return
-    if isinstance(ep.env, SingleTurn):
-        timeout = None  # nothing to wait for
-    try:
-        obs = checked_observation(call_with_timeout(ep.env.step, (assistant,), timeout))
-    except CallTimeout:
+        return None
+    return assistant
+
+
+def _observe(
+    ep: Episode,
+    obs: Any,
+    error: Exception | None,
+    tokenizer: Any,
+    timeout: float | None,
+    last: bool,
+) -> None:
+    """The environment's answer to `ep`'s last turn: the next state and its token delta, the
+    episode's end, or its failure."""
+    if isinstance(error, CallTimeout):
         ep.fail(f"step timed out after {timeout:g} s")
         return
+    try:
+        if error is not None:
+            raise error
+        obs = checked_observation(obs)
     except Exception as exc:
         ep.fail(f"step raised {type(exc).__name__}: {exc}")
         return
+    turn = ep.turns[-1]
     turn.next_state = obs
     if obs.done or last:
         ep.reward = None if obs.reward is None else float(obs.reward)
@@ -367,6 +455,7 @@ class EpisodeSettings:
     max_episode_tokens: int | None = None
     env_timeout: float | None = 30.0
     context_length: int | None = None
+    env_workers: int = 32
 
     def run(
         self,
@@ -391,4 +480,5 @@ class EpisodeSettings:
             self.max_episode_tokens,
             self.context_length,
             self.env_timeout,
+            self.env_workers,
         )

@@ -38,6 +38,15 @@ def check_timeout(timeout: float | None, owner: str) -> float | None:
     return float(timeout)
 
 
+def check_workers(workers: int, owner: str) -> int:
+    """`workers` (an int >= 1), or a ValueError naming `owner`."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(
+            f"{owner}: must be an integer >= 1 (1: one call at a time), got {workers!r}"
+        )
+    return workers
+
+
 def call_with_timeout(
     fn: Callable[..., Any],
     args: Sequence[Any],
