@@ -366,8 +366,16 @@ def _release_process_group() -> None:
     runs, whatever ended the run. Left to the interpreter's exit, its C++ threads were torn
     down in static-destructor order, and a rank whose peer's node had already gone (a
     scheduler's SIGTERM to one node: both stop and save, then exit) once aborted there with
-    "terminate called without an active exception" (exit -6 instead of 128 + the signal)."""
+    "terminate called without an active exception" (exit -6 instead of 128 + the signal). An
+    in-process vLLM engine's groups go first, through vLLM's own teardown: destroyed under it,
+    its exit hook raised on a group that no longer existed."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_groups is not None:  # an in-process vLLM engine's groups, made over ours: first
+        vllm_groups.destroy_model_parallel()  # (its exit hook does the same, and no more once
+        vllm_groups.destroy_distributed_environment()  # they are gone)
+    if dist.is_initialized():
         dist.destroy_process_group()
