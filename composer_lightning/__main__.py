@@ -1,4 +1,5 @@
-"""`python -m composer_lightning fit --config configs/<name>.yaml` | `serve` | `heads` | `export`."""
+"""`python -m composer_lightning fit --config configs/<name>.yaml` | `serve` | `heads` | `export` |
+`from-trl`."""
 
 import sys
 

@@ -26,6 +26,8 @@ commands:
   export     a checkpoint as a Hugging Face model directory, or its LoRA adapter
              (export --ckpt_path CKPT --out DIR [--adapter] [--dtype ...])
   heads      the registered loss heads, built-in and plugins
+  from-trl   a TRL GRPO config (the YAML `trl grpo --config` takes) as a fit config
+             (from-trl grpo.yaml > run.yaml)
 
 Each command's own options: python -m composer_lightning <command> --help"""
 
@@ -216,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "heads":
         return list_heads()
+    if args and args[0] == "from-trl":
+        from composer_lightning.from_trl import main as from_trl
+
+        return from_trl(args[1:])
     if args and args[0] == "export":
         from composer_lightning.models.export import main as export
 

@@ -65,3 +65,111 @@ def test_every_option_path_on_the_page_exists():
             owner, option = path.split(".")[0], path.split(".")[1]
         assert option in _options(owners[owner]), path
     assert len(_rows()) == 79  # TRL 1.16's count, checked without trl installed
+
+
+def reward_len(completions, **kwargs):
+    """A TRL-style batched reward function (the converter's test names it by dotted path)."""
+    return [min(len(c), 8) / 8 for c in completions]
+
+
+TRL_YAML = """
+model_name_or_path: {policy}
+dataset_name: {data}
+dataset_train_split: train
+reward_funcs: [tests.test_from_trl.reward_len]
+reward_weights: [0.5]
+learning_rate: 1.0e-5
+num_generations: 4
+per_device_train_batch_size: 8
+gradient_accumulation_steps: 2
+max_completion_length: 16
+temperature: 0.9
+beta: 0.04
+epsilon: 0.2
+epsilon_high: 0.28
+loss_type: dr_grpo
+scale_rewards: false
+num_iterations: 2
+max_steps: 3
+logging_steps: 1
+seed: 7
+output_dir: {out}
+eval_steps: 2
+use_cpu: true
+bf16: false
+log_completions: true
+min_p: 0.1
+sync_ref_model: true
+importance_sampling_level: sequence
+report_to: none
+"""
+
+
+def test_a_trl_config_converts_and_validates(tmp_path):
+    """~30 fields of a TRL GRPO config: each carried to the option the page names (the batch
+    shape, the loss, the KL head, the clip, the rewards), each of the others one comment line;
+    `validate` runs the converted config."""
+    import json
+
+    from composer_lightning.models.tiny import tiny_policy_path
+    from tests.test_cli import run_cli
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(60))
+    )
+    trl = tmp_path / "grpo.yaml"
+    trl.write_text(TRL_YAML.format(policy=tiny_policy_path(), data=data, out=tmp_path / "run"))
+    out = run_cli("from-trl", str(trl))
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stdout.splitlines() if line.startswith("# not carried: ")]
+    assert [n.split(":")[1].strip() for n in notes] == [
+        "min_p", "sync_ref_model", "importance_sampling_level",
+    ]  # fmt: skip
+    import yaml
+
+    config = yaml.safe_load(out.stdout)
+    model, rollout = config["model"], config["rollout"]["init_args"]
+    assert config["data"]["init_args"]["prompts_per_step"] == 4  # 8 × 2 completions / G = 4
+    assert (model["minibatches"], model["micro_batch_size"], model["ppo_epochs"]) == (1, 8, 2)
+    assert (model["aggregation"], model["norm_length"]) == ("token_sum_norm", 16)
+    assert (model["clip_low"], model["clip_high"]) == (0.2, 0.28)
+    assert model["heads"][0]["init_args"]["scale_rewards"] == "none"
+    assert model["heads"][1]["init_args"] == {
+        "kl_coef": 0.04,
+        "estimator": "k3",
+        "placement": "loss",
+    }
+    assert model["optimizer"]["init_args"] == {"lr": 1e-5}
+    assert rollout["group_size"] == 4 and rollout["sampling"] == {
+        "temperature": 0.9, "max_tokens": 16, "seed": 7,
+    }  # fmt: skip
+    assert rollout["score"]["init_args"] == {
+        "fn": ["tests.test_from_trl.reward_len"],
+        "reward_weights": [0.5],
+    }
+    converted = tmp_path / "run.yaml"
+    converted.write_text(out.stdout)
+    checked = run_cli("validate", "--config", str(converted))
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert "val/reward_mean" in checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ("dataset_name: x.jsonl\n", "needs model_name_or_path"),
+        ("model_name_or_path: m\n", "needs dataset_name"),
+        ("model_name_or_path: m\ndataset_name: d\nloss_type: ppo\n", "loss_type 'ppo' is not TRL's; expected one of"),
+        ("model_name_or_path: m\ndataset_name: d\nnum_generations: 3\n", "must be whole groups of num_generations = 3"),
+    ],
+)  # fmt: skip
+def test_bad_trl_configs_are_one_line_naming_the_field(tmp_path, fields, message):
+    from tests.test_cli import run_cli
+
+    trl = tmp_path / "grpo.yaml"
+    trl.write_text(fields)
+    out = run_cli("from-trl", str(trl))
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"composer_lightning from-trl: {trl}: ") and message in line

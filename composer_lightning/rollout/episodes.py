@@ -29,13 +29,16 @@ on threads (each episode has its own environment instance): a turn's tool calls 
 time (a search, a sandbox) wait side by side, not one after another, and a hung one fails only
 its own episode after `env_timeout`. Everything else (tokenising, the token deltas) stays on the
 caller's thread, in the batch's order, so the episodes are the same whatever the concurrency.
+
+Why this file is long: the loop is one state machine over a batch of episodes (openings and
+their groups, token budgets, the environment calls, template deltas, limits and failures), and
+its rules hold only read together; what it hands on (`Episode`, `Turn`) is defined beside it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,7 +52,7 @@ from composer_lightning.envs.base import (
     checked_observation,
     checked_opening,
 )
-from composer_lightning.runtime.calls import CallTimeout, call_with_timeout
+from composer_lightning.runtime.calls import CallTimeout, call_all
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ def run_episodes(
             except Exception as exc:  # a broken environment fails its episode
                 ep.fail(f"reset raised {type(exc).__name__}: {exc}")
     started = [(i, ep) for i, group in enumerate(episodes) for ep in group if ep.alive]
-    resets = _call_all(
+    resets = call_all(
         [(ep.env.reset, (problems[i],), _limit(ep, env_timeout)) for i, ep in started],
         env_workers,
     )
@@ -282,32 +285,6 @@ def _limit(ep: Episode, env_timeout: float | None) -> float | None:
     return None if isinstance(ep.env, SingleTurn) else env_timeout
 
 
-def _call_all(
-    calls: list[tuple[Callable[..., Any], tuple[Any, ...], float | None]], workers: int
-) -> list[tuple[Any, Exception | None]]:
-    """Each `fn(*args)` under its timeout, the calls with a timeout up to `workers` at a time
-    (environments of different episodes are independent: their waits overlap); `(value,
-    None)` or `(None, the error)` per call, in order. A call without a timeout (a single turn)
-    runs in the caller's thread."""
-
-    def one(fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None) -> Any:
-        try:
-            return call_with_timeout(fn, args, timeout), None
-        except Exception as exc:  # the episode's failure, not the batch's
-            return None, exc
-
-    timed = [k for k, (_, _, timeout) in enumerate(calls) if timeout is not None]
-    out: list[Any] = [None] * len(calls)
-    if workers > 1 and len(timed) > 1:
-        with ThreadPoolExecutor(min(workers, len(timed)), "composer-env") as pool:
-            for k, result in zip(timed, pool.map(lambda k: one(*calls[k]), timed), strict=True):
-                out[k] = result
-    for k, call in enumerate(calls):
-        if out[k] is None:
-            out[k] = one(*call)
-    return out
-
-
 def _advance(
     results: list[tuple[Episode, Completion]],
     tokenizer: Any,
@@ -316,13 +293,13 @@ def _advance(
     workers: int,
 ) -> None:
     """Record each episode's turn, ask the environments for the next states (concurrently,
-    `_call_all`), then append each delta, in order."""
+    `call_all`), then append each delta, in order."""
     asked = []
     for ep, c in results:
         assistant = _record(ep, c, tokenizer)
         if assistant is not None:
             asked.append((ep, assistant))
-    steps = _call_all(
+    steps = call_all(
         [(ep.env.step, (assistant,), _limit(ep, timeout)) for ep, assistant in asked], workers
     )
     for (ep, _), (obs, error) in zip(asked, steps, strict=True):

@@ -11,6 +11,8 @@ life of the process (a daemon thread: it does not hold up the exit). A function 
 interpreter lock without releasing it (a C extension in a long loop) slows the training loop
 while it runs; such a function must bound its own time. `timeout=None` runs the call in the
 caller's thread with no limit (for code that needs the main thread, e.g. `signal.alarm`).
+`call_all` runs independent calls (the environments of different episodes) side by side, each
+under its own timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 import numbers
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,32 @@ def call_with_timeout(
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def call_all(
+    calls: list[tuple[Callable[..., Any], tuple[Any, ...], float | None]], workers: int
+) -> list[tuple[Any, Exception | None]]:
+    """Each `fn(*args)` under its timeout, the calls with a timeout up to `workers` at a time
+    (environments of different episodes are independent: their waits overlap); `(value,
+    None)` or `(None, the error)` per call, in order. A call without a timeout (a single turn)
+    runs in the caller's thread."""
+
+    def one(fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None) -> Any:
+        try:
+            return call_with_timeout(fn, args, timeout), None
+        except Exception as exc:  # the episode's failure, not the batch's
+            return None, exc
+
+    timed = [k for k, (_, _, timeout) in enumerate(calls) if timeout is not None]
+    out: list[Any] = [None] * len(calls)
+    if workers > 1 and len(timed) > 1:
+        with ThreadPoolExecutor(min(workers, len(timed)), "composer-env") as pool:
+            for k, result in zip(timed, pool.map(lambda k: one(*calls[k]), timed), strict=True):
+                out[k] = result
+    for k, call in enumerate(calls):
+        if out[k] is None:
+            out[k] = one(*call)
+    return out
 
 
 def call_batch(

@@ -1,0 +1,327 @@
+"""`python -m composer_lightning from-trl grpo.yaml > run.yaml`: a TRL GRPO config as this
+library's `fit` config.
+
+The input is the YAML `trl grpo --config` takes: `GRPOConfig`'s fields, the `TrainingArguments`
+ones it inherits, and the script's (`model_name_or_path`, `dataset_name`, `reward_funcs`,
+LoRA's `use_peft` / `lora_*`). Each field it carries becomes the option that does the same
+(the table in `docs/from_trl.md`); a field TRL leaves at its default is converted at TRL's
+default, so the run keeps TRL's behaviour (`loss_type: dapo`, `scale_rewards: group`,
+`epsilon_high` = `epsilon`, 8 generations, lr 1e-6) where this library's defaults differ. Each
+field it cannot carry is one comment line at the top of the output saying why.
+
+Batch shape: TRL generates `per_device_train_batch_size × steps_per_generation` completions
+per rank and generation (`steps_per_generation` defaults to `gradient_accumulation_steps`) and
+makes one optimizer step per `gradient_accumulation_steps` micro-batches; here a rollout batch is
+`data.prompts_per_step × rollout.group_size` completions per rank, trained in
+`model.minibatches` optimizer steps of micro-batches of `model.micro_batch_size` rows, repeated
+`model.ppo_epochs` (TRL's `num_iterations`) times.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+#: TRL 1.16's defaults of the fields whose default differs from this library's.
+TRL_DEFAULTS: dict[str, Any] = {
+    "num_generations": 8,
+    "max_completion_length": 512,
+    "learning_rate": 1e-6,
+    "loss_type": "dapo",
+    "scale_rewards": "group",
+    "epsilon": 0.2,
+    "temperature": 1.0,
+    "beta": 0.0,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "max_grad_norm": 1.0,
+    "seed": 42,
+}
+
+#: TRL's `loss_type` → `model.aggregation`.
+AGGREGATION = {
+    "dr_grpo": "token_sum_norm",
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+}
+
+#: Every `loss_type` TRL 1.16 accepts.
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+#: Fields with nothing to carry them here, and why (one comment line each).
+NOT_CARRIED = {
+    "delta": "two-sided clipping is not yet here (model.dual_clip is dual-clip PPO)",
+    "importance_sampling_level": "sequence-level ratios (GSPO) are not yet here",
+    "min_p": "not yet passed to the engines",
+    "repetition_penalty": "not yet passed to the engines",
+    "generation_kwargs": "not yet passed to the engines",
+    "chat_template_kwargs": "not yet passed to the chat template",
+    "model_init_kwargs": "not yet: the policy loads in fp32 (trainer.precision sets the step's)",
+    "sync_ref_model": "not yet",
+    "ref_model_mixup_alpha": "not yet (sync_ref_model)",
+    "ref_model_sync_steps": "not yet (sync_ref_model)",
+    "top_entropy_quantile": "not yet",
+    "use_adaptive_entropy": "not yet",
+    "off_policy_mask_threshold": "not yet",
+    "multi_objective_aggregation": "not yet: rewards are summed, weighted",
+    "lr_scheduler_type": "give model.lr_scheduler (a schedule factory)",
+    "warmup_ratio": "give model.lr_scheduler (a schedule factory)",
+    "warmup_steps": "give model.lr_scheduler (a schedule factory)",
+    "num_train_epochs": "steps count rollout batches here: give max_steps",
+    "vllm_mode": "colocate only: one in-process engine per rank (server mode: not yet)",
+    "vllm_server_base_url": "server mode is not yet a training engine",
+    "trust_remote_code": "not yet",
+    "ds3_gather_for_generation": "no DeepSpeed here (FSDP2 gathers for the push)",
+}
+
+#: Fields that say nothing a run here needs (bookkeeping of TRL's own trainer).
+IGNORED = {
+    "report_to", "push_to_hub", "hub_model_id", "logging_dir", "remove_unused_columns",
+    "overwrite_output_dir", "do_train", "do_eval", "run_name", "disable_dropout",
+    "shuffle_dataset", "save_strategy", "eval_strategy", "logging_strategy", "use_cpu",
+    "torch_dtype", "dtype", "attn_implementation", "model_revision",
+}  # fmt: skip
+
+
+def _get(trl: dict[str, Any], key: str) -> Any:
+    return trl[key] if trl.get(key) is not None else TRL_DEFAULTS.get(key)
+
+
+def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """This library's config of the TRL config `trl`, and the comment lines of what it does not
+    carry.
+
+    Raises:
+        ValueError: no `model_name_or_path`, no `dataset_name`, or a batch that does not divide
+            into whole groups (naming the fields and values).
+    """
+    if not isinstance(trl, dict) or not trl.get("model_name_or_path"):
+        raise ValueError("a TRL GRPO config needs model_name_or_path")
+    if not trl.get("dataset_name"):
+        raise ValueError("a TRL GRPO config needs dataset_name (a hub id or a local file)")
+    used: set[str] = set()
+
+    def take(key: str) -> Any:
+        used.add(key)
+        return _get(trl, key)
+
+    notes: list[str] = []
+    G = int(take("num_generations"))
+    micro = int(take("per_device_train_batch_size"))
+    accumulation = int(take("gradient_accumulation_steps"))
+    per_generation = int(trl.get("steps_per_generation") or accumulation)
+    used.add("steps_per_generation")
+    completions = micro * per_generation
+    if trl.get("generation_batch_size"):
+        used.add("generation_batch_size")
+        completions = int(trl["generation_batch_size"])
+    if completions % G or per_generation % accumulation:
+        raise ValueError(
+            f"per_device_train_batch_size × steps_per_generation = {completions} completions must "
+            f"be whole groups of num_generations = {G}, and steps_per_generation = "
+            f"{per_generation} a multiple of gradient_accumulation_steps = {accumulation}"
+        )
+    policy = str(take("model_name_or_path"))
+    if trl.get("model_revision"):
+        policy = f"{policy}@{trl['model_revision']}"
+    seed = int(take("seed"))
+    sampling = {
+        "temperature": float(take("temperature")),
+        "max_tokens": int(take("max_completion_length")),
+        "seed": seed,
+    }
+    for key, default in (("top_p", 1.0), ("top_k", 0)):
+        used.add(key)
+        if trl.get(key) not in (None, default):
+            notes.append(f"{key}: {trl[key]} — training rollouts sample the full distribution here")
+    loss_type = str(take("loss_type"))
+    if loss_type not in TRL_LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} is not TRL's; expected one of {TRL_LOSS_TYPES}")
+    aggregation = AGGREGATION.get(loss_type)
+    if aggregation is None:
+        notes.append(f"loss_type: {loss_type} — not yet here; converted as dapo (token_mean)")
+        aggregation = "token_mean"
+    scale = take("scale_rewards")
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    heads: list[dict[str, Any]] = [
+        {
+            "class_path": "composer_lightning.heads.dr_grpo.DrGRPOHead",
+            "init_args": {"weight": 1.0, "scale_rewards": str(scale)},
+        }
+    ]
+    beta = float(take("beta"))
+    if beta > 0:
+        heads.append(
+            {
+                "class_path": "composer_lightning.heads.kl.KLHead",
+                "init_args": {"kl_coef": beta, "estimator": "k3", "placement": "loss"},
+            }
+        )
+    epsilon = float(take("epsilon"))
+    optimizer = {"lr": float(take("learning_rate"))}
+    for key, name in (("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
+        used.add(key)
+        if trl.get(key) is not None:
+            optimizer[name] = float(trl[key])
+    if trl.get("adam_beta1") is not None or trl.get("adam_beta2") is not None:
+        used.update({"adam_beta1", "adam_beta2"})
+        optimizer["betas"] = [
+            float(trl.get("adam_beta1", 0.9)),
+            float(trl.get("adam_beta2", 0.999)),
+        ]
+    model: dict[str, Any] = {
+        "policy": policy,
+        "heads": heads,
+        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": optimizer},
+        "aggregation": aggregation,
+        "clip_low": epsilon,
+        "clip_high": float(trl.get("epsilon_high") or epsilon),
+        "ppo_epochs": int(trl.get("num_iterations") or 1),
+        "minibatches": per_generation // accumulation,
+        "micro_batch_size": micro,
+        "max_grad_norm": take("max_grad_norm"),
+        "entropy_coef": float(trl.get("entropy_coef") or 0.0),
+        "activation_checkpointing": bool(trl.get("gradient_checkpointing", False)),
+    }
+    used.update({"epsilon_high", "num_iterations", "entropy_coef", "gradient_checkpointing"})
+    if loss_type == "dr_grpo":
+        model["norm_length"] = sampling["max_tokens"]  # TRL divides by max_completion_length
+    if trl.get("use_peft"):
+        model["peft"] = {
+            "class_path": "peft.LoraConfig",
+            "init_args": {
+                "r": int(trl.get("lora_r", 16)),
+                "lora_alpha": int(trl.get("lora_alpha", 32)),
+                "lora_dropout": float(trl.get("lora_dropout", 0.05)),
+                "target_modules": trl.get("lora_target_modules") or "all-linear",
+            },
+        }
+    used.update({"use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"})
+    funcs = trl.get("reward_funcs") or []
+    used.update({"reward_funcs", "reward_weights"})
+    funcs = [funcs] if isinstance(funcs, str) else list(funcs)
+    funcs = [f if "." in f else f"trl.rewards.{f}" for f in funcs]  # TRL's built-in names
+    rollout: dict[str, Any] = {
+        "engine": {
+            "class_path": "composer_lightning.engines."
+            + ("VLLMEngine" if trl.get("use_vllm") else "HFEngine"),
+            "init_args": {"seed": seed},
+        },
+        "group_size": G,
+        "sampling": sampling,
+        "mask_truncated_completions": bool(trl.get("mask_truncated_completions", False)),
+        "val_samples": int(trl.get("num_generations_eval") or G),
+    }
+    used.update({"use_vllm", "mask_truncated_completions", "num_generations_eval"})
+    if trl.get("use_vllm"):
+        engine = rollout["engine"]["init_args"]
+        for key, name in (
+            ("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
+            ("vllm_max_model_length", "max_model_len"),
+            ("vllm_enable_sleep_mode", "enable_sleep_mode"),
+        ):
+            used.add(key)
+            if trl.get(key) is not None:
+                engine[name] = trl[key]
+        used.add("vllm_tensor_parallel_size")
+        if int(trl.get("vllm_tensor_parallel_size") or 1) > 1:
+            engine["llm_kwargs"] = {"tensor_parallel_size": int(trl["vllm_tensor_parallel_size"])}
+    if funcs:
+        score: dict[str, Any] = {"fn": funcs}
+        if trl.get("reward_weights"):
+            score["reward_weights"] = [float(w) for w in trl["reward_weights"]]
+        rollout["score"] = {
+            "class_path": "composer_lightning.tasks.FunctionScore",
+            "init_args": score,
+        }
+    else:
+        notes.append("reward_funcs: none given — the data's task verifier scores (data.task)")
+    if trl.get("max_tool_calling_iterations"):
+        rollout["max_turns"] = int(trl["max_tool_calling_iterations"]) + 1
+    used.add("max_tool_calling_iterations")
+    if trl.get("log_completions"):
+        rollout["samples_every_n_steps"] = int(trl.get("logging_steps") or 10)
+        rollout["samples_per_step"] = int(trl.get("num_completions_to_print") or 4)
+    else:
+        rollout["samples_every_n_steps"] = 0
+    used.update({"log_completions", "num_completions_to_print"})
+    data = {
+        "class_path": "composer_lightning.datamodules.rollout.RolloutDataModule",
+        "init_args": {
+            "task": None,
+            "dataset": str(trl["dataset_name"]),
+            "dataset_config": trl.get("dataset_config"),
+            "split": str(trl.get("dataset_train_split") or "train"),
+            "prompts_per_step": completions // G,
+            "seed": seed,
+        },
+    }
+    used.update({"dataset_name", "dataset_config", "dataset_train_split"})
+    if trl.get("max_prompt_length"):
+        data["init_args"]["max_prompt_length"] = int(trl["max_prompt_length"])
+    used.add("max_prompt_length")
+    trainer: dict[str, Any] = {
+        "accelerator": "cpu" if trl.get("use_cpu") else "auto",
+        "max_steps": int(trl.get("max_steps") or -1),
+        "log_every_n_steps": int(trl.get("logging_steps") or 10),
+        "precision": "bf16-mixed" if trl.get("bf16") else "32-true",
+    }
+    used.update({"max_steps", "logging_steps", "bf16", "fp16"})
+    if trl.get("fp16"):
+        notes.append(
+            "fp16: true — converted as 32-true; give trainer.precision: 16-mixed to keep it"
+        )
+    if trl.get("output_dir"):
+        trainer["default_root_dir"] = str(trl["output_dir"])
+    used.add("output_dir")
+    if trl.get("save_steps"):
+        trainer["callbacks"] = [
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"every_n_train_steps": int(trl["save_steps"]), "save_last": True},
+            }
+        ]
+    used.add("save_steps")
+    if trl.get("eval_steps"):
+        trainer["val_check_interval"] = int(trl["eval_steps"])
+    else:
+        trainer["limit_val_batches"] = 0
+    used.add("eval_steps")
+    for key, value in trl.items():
+        if key in used or key in IGNORED:
+            continue
+        why = NOT_CARRIED.get(key, "not carried by this converter (docs/from_trl.md)")
+        notes.append(f"{key}: {value!r} — {why}")
+    config = {
+        "seed_everything": seed,
+        "trainer": trainer,
+        "model": model,
+        "rollout": {"class_path": "composer_lightning.rollout.callback.RolloutCallback",
+                    "init_args": rollout},
+        "data": data,
+    }  # fmt: skip
+    return config, notes
+
+
+def main(argv: list[str]) -> int:
+    """`from-trl <grpo.yaml>`: the converted config on stdout, its notes as comments."""
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: python -m composer_lightning from-trl grpo.yaml > run.yaml")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    path = argv[0]
+    try:
+        with open(path, encoding="utf-8") as f:
+            trl = yaml.safe_load(f)
+        config, notes = convert(trl or {})
+    except (OSError, yaml.YAMLError, ValueError, TypeError) as exc:
+        print(f"composer_lightning from-trl: {path}: {exc}", file=sys.stderr)
+        return 2
+    lines = [
+        f"# Converted from {path} (TRL GRPO config) by `python -m composer_lightning from-trl`."
+    ]
+    lines += [f"# not carried: {note}" for note in notes]
+    sys.stdout.write("\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False))
+    return 0
