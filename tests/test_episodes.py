@@ -473,3 +473,36 @@ def test_a_hung_environment_fails_only_its_own_episode_among_concurrent_ones(cap
     eps = _run([["CALL good", "5"]], env=SomeHang, group=4, max_turns=2, env_timeout=0.5)
     assert [e.status for e in eps] == ["done", "failed", "done", "done"]
     assert eps[1].error == "step timed out after 0.5 s"
+
+
+def test_a_truncation_penalty_makes_running_out_of_tokens_cost_where_every_outcome_is_0():
+    """Two episodes of one problem, both wrong (outcome 0): one answers "4", one is cut at
+    `max_tokens` mid-turn. Without a penalty their rewards tie (no advantage: nothing teaches
+    the cut one); with `truncation_penalty=0.5` the cut one gets −0.5 on each of its turns and
+    the answered one keeps 0."""
+    eps = run_episodes(
+        scripted([["CALL good", "4"], ["CALL bad", "CALL good" * 10]]),
+        [PROBLEM],
+        [render_ids(TOK, PROBLEM["messages"], True)],
+        lambda p: ToolEnv(),
+        TOK,
+        SAMPLING,
+        2,
+        max_turns=3,
+    )
+    assert [ep.status for ep in eps[0]] == ["done", "truncated"]
+    args = (_batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1)
+    plain, _, _ = build_rollout(*args)
+    assert plain.rewards.tolist() == [0.0, 0.0, 0.0, 0.0]
+    penalised, _, _ = build_rollout(*args, truncation_penalty=0.5)
+    assert penalised.rewards.tolist() == [0.0, 0.0, -0.5, -0.5]
+    assert penalised.episode_ids.tolist() == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("bad", [-0.1, True, float("nan")])
+def test_a_bad_truncation_penalty_is_refused_by_name(bad):
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.rollout.callback import RolloutCallback
+
+    with pytest.raises(ValueError, match="truncation_penalty must be >= 0, got"):
+        RolloutCallback(HFEngine(model_path=tiny_policy_path()), truncation_penalty=bad)

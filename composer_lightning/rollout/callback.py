@@ -13,7 +13,7 @@ The canary compares the engine's weight fingerprint of the version that generate
 with the trainer's (`engines/fingerprint.py`), exactly.
 
 Why this file is long: `RolloutCallback` is the class a run configures as `rollout:`, and its
-twenty options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
+twenty-one options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
 lives in the modules named above.
 """
 
@@ -121,6 +121,10 @@ class RolloutCallback(L.Callback):
         val_before_train: run the held-out evaluation once before the first step (verl's
             `val_before_train`), logged at step 0, so a run's before and after come from the
             run itself; a resumed run does not repeat it.
+        truncation_penalty: subtracted from the outcome of a reply (an episode) that ran out of
+            tokens (`max_tokens`, `max_episode_tokens` or the context), −p when it has none, so
+            a policy drifting to cut replies is pushed back even where every outcome is 0
+            (DAPO's overlong punishment, flat); 0: off.
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class RolloutCallback(L.Callback):
         env_workers: int = 32,
         turn_score: ScoreProvider | None = None,
         val_before_train: bool = False,
+        truncation_penalty: float = 0.0,
     ):
         check_settings(
             group_size=group_size,
@@ -176,6 +181,9 @@ class RolloutCallback(L.Callback):
         )
         self._ahead = GenerationAhead(max_staleness, engine_timeout)
         self.val_before_train = bool(val_before_train)
+        if isinstance(truncation_penalty, bool) or not truncation_penalty >= 0:
+            raise ValueError(f"truncation_penalty must be >= 0, got {truncation_penalty!r}")
+        self.truncation_penalty = float(truncation_penalty)
         self._fingerprints: dict[int, Fingerprint] = {}  # the trainer's, by version
         self._samples: list[dict[str, Any]] = []
         self._last_start: float | None = None
@@ -447,6 +455,7 @@ class RolloutCallback(L.Callback):
             self.samples_per_step,
             self.mask_truncated_completions,
             self.turn_score,
+            self.truncation_penalty,
         )
         rollout.policy_version = version
         rollout.engine_dtype = getattr(self.engine, "dtype", None)  # the canary's threshold

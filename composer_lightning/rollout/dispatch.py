@@ -107,6 +107,7 @@ def build_rollout(
     samples_per_step: int,
     mask_truncated: bool = False,
     turn_score: ScoreProvider | None = None,
+    truncation_penalty: float = 0.0,
 ) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the turns of one prompt batch's episodes.
 
@@ -128,7 +129,10 @@ def build_rollout(
     A failed episode (an environment error) is dropped whole and counted.
 
     With `mask_truncated` (TRL's `mask_truncated_completions`), an episode that ran out of
-    tokens keeps its reward in its group's statistics but has no token in any loss.
+    tokens keeps its reward in its group's statistics but has no token in any loss. With
+    `truncation_penalty` p > 0, such an episode's outcome is its score minus p (−p when it has
+    none): running out of tokens is never free, also in a group whose every outcome is 0, where
+    nothing else would tell a cut reply from a finished one.
 
     Returns:
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
@@ -165,6 +169,10 @@ def build_rollout(
     rewards: list[float | None] = [ep.reward for _, ep in live]
     for k, value in zip(ask, outcome, strict=True):
         rewards[k] = value
+    if truncation_penalty:
+        for k, (_, ep) in enumerate(live):
+            if ep.status == "truncated":
+                rewards[k] = (rewards[k] or 0.0) - truncation_penalty
     # one row per turn, hinted (and with `turn_score`, scored) per turn
     turns = [(e, t) for e, (_, ep) in enumerate(live) for t in range(len(ep.turns))]
     hint_problems, hint_texts = [], []
