@@ -270,6 +270,8 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "precision": "bf16-mixed" if trl.get("bf16") else "32-true",
     }
     used.update({"max_steps", "logging_steps", "bf16", "fp16"})
+    if not trl.get("max_steps") or int(trl["max_steps"]) < 0:
+        notes.append("max_steps: none given — the prompt stream has no end; give trainer.max_steps")
     if trl.get("fp16"):
         notes.append(
             "fp16: true — converted as 32-true; give trainer.precision: 16-mixed to keep it"
