@@ -55,6 +55,22 @@ def test_truncation_rising_past_the_bound_is_a_collapse():
         assert started_high.observe_step(step, {"rollout/truncation_rate": rate}) == []
 
 
+def test_tool_episodes_that_stop_calling_tools_are_a_collapse():
+    """The share of tool episodes without a call: first window 0.1; (0.4 + 0.8) / 2 = 0.6 > 0.5
+    at step 4; a run whose episodes mostly never called (a task that needs no tool) is not."""
+    watch = CollapseWatch(window=2)
+    said = []
+    for step, rate in enumerate([0.0, 0.2, 0.4, 0.8], start=1):
+        said += watch.observe_step(step, {"episode/no_call_rate": rate})
+    assert said == [
+        "composer_lightning: collapse: share of episodes without a tool call rose from 0.10 "
+        "(first 2 steps) to 0.60 (steps 3–4): the policy stopped calling tools"
+    ]
+    quiet = CollapseWatch(window=1)
+    assert quiet.observe_step(1, {"episode/no_call_rate": 0.7}) == []
+    assert quiet.observe_step(2, {"episode/no_call_rate": 0.9}) == []
+
+
 def test_held_out_accuracy_falling_from_its_best():
     watch = CollapseWatch(accuracy_drop=0.2)
     assert watch.observe_validation(0, 0.22) == []
@@ -85,6 +101,7 @@ def test_the_default_margin_sees_a_collapse_from_a_low_start_but_not_noise():
         ({"accuracy_drop": 0}, "accuracy_drop must be in"),
         ({"length_ratio": 1.0}, "length_ratio must be in"),
         ({"max_truncation": 1.5}, "max_truncation must be in"),
+        ({"max_no_call": 0}, "max_no_call must be in"),
         ({"window": 0}, "window must be an integer >= 1, got 0"),
     ],
 )

@@ -506,3 +506,30 @@ def test_a_bad_truncation_penalty_is_refused_by_name(bad):
 
     with pytest.raises(ValueError, match="truncation_penalty must be >= 0, got"):
         RolloutCallback(HFEngine(model_path=tiny_policy_path()), truncation_penalty=bad)
+
+
+def test_the_share_of_tool_episodes_without_a_call_is_a_step_metric():
+    """Of two episodes with tools one calls ("CALL good", then answers) and one answers at once:
+    `episode/no_call_rate` 0.5; episodes without tools do not report it."""
+
+    class WithTools(ToolEnv):
+        tools = [{"type": "function", "function": {"name": "good", "parameters": {}}}]
+
+    def rate(env):
+        eps = run_episodes(
+            scripted([["CALL good", "5"], ["5"]]),
+            [PROBLEM],
+            [render_ids(TOK, PROBLEM["messages"], True)],
+            lambda p: env(),
+            TOK,
+            SAMPLING,
+            2,
+            max_turns=3,
+        )
+        _, metrics, _ = build_rollout(
+            _batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1
+        )
+        return metrics.local().get("episode/no_call_rate")
+
+    assert rate(WithTools) == 0.5
+    assert rate(ToolEnv) is None

@@ -1,4 +1,5 @@
-"""One line as it happens when a run falls off a cliff: held-out accuracy, reply length, truncation.
+"""One line as it happens when a run falls off a cliff: held-out accuracy, reply length,
+truncation, tool calls.
 
 A policy that collapses does not crash: on SmolLM2 a hint signal took held-out accuracy from
 0.22 to 0.00 in 20 steps while mean replies shrank from 25 to 14 tokens, and the tiny tool
@@ -10,7 +11,10 @@ fall, what fell, from what, to what, and since when:
   `accuracy_drop` below it;
 - the mean response length over the last `window` steps below `length_ratio` × that of the first
   `window` steps;
-- the truncation rate over the last `window` steps above `max_truncation` when it started below.
+- the truncation rate over the last `window` steps above `max_truncation` when it started below;
+- in tool episodes, the share of episodes that never called a tool (`episode/no_call_rate`: no
+  turn got a next state) over the last `window` steps above `max_no_call` when it started
+  below (the tool policy drifted to non-calls before its replies ran out of tokens).
 
 A condition that clears and comes back is said again. `stop=True` also stops the run there
 (a checkpoint follows as at any stop). The module adds one with the defaults unless the trainer
@@ -29,6 +33,13 @@ from composer_lightning.runtime.distributed import world
 
 log = logging.getLogger(__name__)
 
+#: What each step is watched for: its name here -> the step metric.
+_WATCHED = {
+    "length": "rollout/response_length_mean",
+    "truncation": "rollout/truncation_rate",
+    "no_call": "episode/no_call_rate",
+}
+
 
 class CollapseWatch(L.Callback):
     """Say (and optionally stop) when held-out accuracy, reply length or truncation collapse.
@@ -41,6 +52,7 @@ class CollapseWatch(L.Callback):
             of the first `window` steps' is a collapse.
         max_truncation: a truncation rate over the last `window` steps above this, in a run
             that started below it, is a collapse.
+        max_no_call: the same for the share of tool episodes without a tool call.
         window: steps per mean.
         stop: stop the run when a collapse is seen.
     """
@@ -51,6 +63,7 @@ class CollapseWatch(L.Callback):
         length_ratio: float = 0.5,
         max_truncation: float = 0.5,
         window: int = 5,
+        max_no_call: float = 0.5,
         stop: bool = False,
     ):
         if not 0 < accuracy_drop <= 1:
@@ -59,16 +72,17 @@ class CollapseWatch(L.Callback):
             raise ValueError(f"length_ratio must be in (0, 1), got {length_ratio}")
         if not 0 < max_truncation < 1:
             raise ValueError(f"max_truncation must be in (0, 1), got {max_truncation}")
+        if not 0 < max_no_call < 1:
+            raise ValueError(f"max_no_call must be in (0, 1), got {max_no_call}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
         self.accuracy_drop, self.length_ratio = accuracy_drop, length_ratio
         self.max_truncation, self.window, self.stop = max_truncation, window, stop
+        self.max_no_call = max_no_call
         self.best: tuple[float, int] | None = None  # (accuracy, step)
         self.first: dict[str, float] = {}  # the first window's means
-        self._early: dict[str, list[float]] = {"length": [], "truncation": []}
-        self._recent: dict[str, deque[float]] = {
-            k: deque(maxlen=window) for k in ("length", "truncation")
-        }
+        self._early: dict[str, list[float]] = {k: [] for k in _WATCHED}
+        self._recent: dict[str, deque[float]] = {k: deque(maxlen=window) for k in _WATCHED}
         self._said: set[str] = set()
         self.lines: list[str] = []  # what was said, for the caller (and tests)
 
@@ -82,10 +96,7 @@ class CollapseWatch(L.Callback):
     def observe_step(self, step: int, metrics: dict[str, float]) -> list[str]:
         """Take one training step's metrics; return the lines of collapses seen now."""
         found = []
-        for key, metric in (
-            ("length", "rollout/response_length_mean"),
-            ("truncation", "rollout/truncation_rate"),
-        ):
+        for key, metric in _WATCHED.items():
             if metric not in metrics:
                 continue
             value = float(metrics[metric])
@@ -105,11 +116,17 @@ class CollapseWatch(L.Callback):
                     f"mean response length fell from {then:.1f} tokens (first {self.window} "
                     f"steps) to {now:.1f} ({since})"
                 )
-            else:
+            elif key == "truncation":
                 fell = then <= self.max_truncation < now
                 line = (
                     f"truncation rate rose from {then:.2f} (first {self.window} steps) to "
                     f"{now:.2f} ({since}): replies run out of tokens"
+                )
+            else:
+                fell = then <= self.max_no_call < now
+                line = (
+                    f"share of episodes without a tool call rose from {then:.2f} (first "
+                    f"{self.window} steps) to {now:.2f} ({since}): the policy stopped calling tools"
                 )
             found += self._say(key, fell, line)
         return found

@@ -306,6 +306,10 @@ def build_rollout(
     if any(len(ep.turns) > 1 or ep.tools for _, ep in flat):  # episodes of several turns
         E = float(len(flat))
         metrics.mean("episode/turns", sum(len(ep.turns) for _, ep in flat) / E, weight=E)
+        tooled = [ep for _, ep in flat if ep.tools]
+        if tooled:  # episodes that had tools and never called one (no turn got a next state)
+            silent = sum(not any(t.has_next_state for t in ep.turns) for ep in tooled)
+            metrics.mean("episode/no_call_rate", silent / len(tooled), weight=len(tooled))
         for status in ("failed", "truncated", "max_turns"):
             metrics.sum(f"episode/{status}", float(sum(ep.status == status for _, ep in flat)))
         metrics.sum(
