@@ -480,16 +480,7 @@ def test_a_truncation_penalty_makes_running_out_of_tokens_cost_where_every_outco
     `max_tokens` mid-turn. Without a penalty their rewards tie (no advantage: nothing teaches
     the cut one); with `truncation_penalty=0.5` the cut one gets −0.5 on each of its turns and
     the answered one keeps 0."""
-    eps = run_episodes(
-        scripted([["CALL good", "4"], ["CALL bad", "CALL good" * 10]]),
-        [PROBLEM],
-        [render_ids(TOK, PROBLEM["messages"], True)],
-        lambda p: ToolEnv(),
-        TOK,
-        SAMPLING,
-        2,
-        max_turns=3,
-    )
+    eps = [_run([["CALL good", "4"], ["CALL bad", "CALL good" * 10]], group=2, max_turns=3)]
     assert [ep.status for ep in eps[0]] == ["done", "truncated"]
     args = (_batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1)
     plain, _, _ = build_rollout(*args)
@@ -516,16 +507,7 @@ def test_the_share_of_tool_episodes_without_a_call_is_a_step_metric():
         tools = [{"type": "function", "function": {"name": "good", "parameters": {}}}]
 
     def rate(env):
-        eps = run_episodes(
-            scripted([["CALL good", "5"], ["5"]]),
-            [PROBLEM],
-            [render_ids(TOK, PROBLEM["messages"], True)],
-            lambda p: env(),
-            TOK,
-            SAMPLING,
-            2,
-            max_turns=3,
-        )
+        eps = [_run([["CALL good", "5"], ["5"]], env=env, group=2, max_turns=3)]
         _, metrics, _ = build_rollout(
             _batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1
         )

@@ -20,6 +20,7 @@ update moves — and on GPUs every parameter.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -87,6 +88,13 @@ class FingerprintRecorder:
         self.fingerprint: Fingerprint = {}
 
         self._stream = self._record()
+
+    @classmethod
+    def for_engine(cls, weights: Iterable[tuple[str, Tensor]], engine: Any) -> FingerprintRecorder:
+        """A recorder in `engine`'s dtype (its `dtype` attribute, a torch dtype's name; an
+        engine without one: each tensor's own)."""
+        dtype = getattr(torch, str(getattr(engine, "dtype", "")), None)
+        return cls(weights, dtype if isinstance(dtype, torch.dtype) else None)
 
     def _record(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self._weights:

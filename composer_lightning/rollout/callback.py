@@ -232,10 +232,7 @@ class RolloutCallback(L.Callback):
         start = time.perf_counter()
         weights, version = iter_hf_weights(pl_module.policy), pl_module.policy_version
         if callable(getattr(self.engine, "weight_fingerprint", None)):
-            dtype = getattr(torch, str(getattr(self.engine, "dtype", "")), None)
-            weights = FingerprintRecorder(
-                weights, dtype if isinstance(dtype, torch.dtype) else None
-            )
+            weights = FingerprintRecorder.for_engine(weights, self.engine)
         if self._ahead.engine is not None:
             self._ahead.engine.publish(weights, version)
         else:

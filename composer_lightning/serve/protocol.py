@@ -252,6 +252,17 @@ def weights_label(version: int, launch: int = 0) -> str:
     return f"weights-v{version}" if launch <= 1 else f"weights-v{version}-l{launch}"
 
 
+def _head(req: ChatRequest, cid: str, kind: str, version: int, launch: int) -> dict[str, Any]:
+    """The fields a completion and each of its chunks share."""
+    return {
+        "id": cid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": req.model,
+        "system_fingerprint": weights_label(version, launch),
+    }
+
+
 def completion_body(
     req: ChatRequest,
     cid: str,
@@ -262,11 +273,7 @@ def completion_body(
 ) -> dict[str, Any]:
     """A `chat.completion` object."""
     return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": req.model,
-        "system_fingerprint": weights_label(version, launch),
+        **_head(req, cid, "chat.completion", version, launch),
         "choices": [
             {
                 "index": i,
@@ -297,13 +304,7 @@ def chunk_bodies(
 ) -> list[dict[str, Any]]:
     """The `chat.completion.chunk` objects of a finished reply: per choice its role, its text,
     its finish reason; then the usage when asked for (`stream_options.include_usage`)."""
-    head = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": req.model,
-        "system_fingerprint": weights_label(version, launch),
-    }
+    head = _head(req, cid, "chat.completion.chunk", version, launch)
 
     def chunk(i: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
         choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}

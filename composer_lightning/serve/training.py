@@ -40,7 +40,6 @@ import time
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
@@ -286,10 +285,7 @@ class ServeCallback(RolloutCallback):
         start = time.perf_counter()
         if self.backend is not None:
             version = pl_module.policy_version
-            dtype = getattr(torch, str(getattr(self.engine, "dtype", "")), None)
-            weights = FingerprintRecorder(
-                iter_hf_weights(pl_module.policy), dtype if isinstance(dtype, torch.dtype) else None
-            )
+            weights = FingerprintRecorder.for_engine(iter_hf_weights(pl_module.policy), self.engine)
             engine_print = self.backend.push(weights, version)
             self._fingerprint_params = check_fingerprint(weights.finish(), engine_print, version)
         return time.perf_counter() - start
@@ -329,7 +325,7 @@ class ServeCallback(RolloutCallback):
         )
         metrics.max("serve/wait_time", time.perf_counter() - start)
         metrics.max("rollout/fingerprint_params", float(self._fingerprint_params))
-        metrics.max("rollout/staleness_max", float(max(self.distances(turns, version))))
+        metrics.max("rollout/staleness_max", float(version - rollout.policy_version))
         rewarded = [t.reward for t in turns if t.reward is not None]
         metrics.mean(
             "rollout/reward_mean", sum(rewarded) / len(rewarded) if rewarded else 0.0,
