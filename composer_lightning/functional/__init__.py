@@ -21,7 +21,8 @@ from .importance import truncated_importance_weights
 from .jsd import generalized_jsd, generalized_jsd_per_token
 from .kl import kl_penalty
 from .logprobs import entropy_from_logits, logprobs_from_logits, sequence_logprobs
-from .policy import masked_aggregate, policy_loss
+from .masks import high_entropy_mask, off_policy_sequence_mask
+from .policy import importance_log_ratio, masked_aggregate, policy_loss
 
 __all__ = [
     "chunked_entropy_from_hidden",
@@ -32,12 +33,15 @@ __all__ = [
     "dr_grpo_advantages",
     "episode_advantages",
     "grpo_advantages",
+    "high_entropy_mask",
+    "importance_log_ratio",
     "entropy_from_logits",
     "generalized_jsd",
     "generalized_jsd_per_token",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_aggregate",
+    "off_policy_sequence_mask",
     "opd_advantages",
     "policy_loss",
     "sequence_logprobs",
