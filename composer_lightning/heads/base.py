@@ -87,6 +87,10 @@ class Head(ABC):
     requires: ClassVar[frozenset[str]] = frozenset()
     #: k of the top-k values a head that requires `teacher_topk` reads (top-k OPD).
     topk: int = 0
+    #: the head's advantages differ between the tokens of one response (OPD's teacher gap), so
+    #: a sequence-level importance ratio (GSPO) would spread them over the response: such a head
+    #: is refused with `importance_sampling_level="sequence"` (GSPO-token keeps them).
+    per_token_advantages: bool = False
 
     def __init__(
         self, name: str | None = None, weight: float = 1.0, schedule: Schedule | None = None

@@ -56,6 +56,7 @@ class KLHead(Head):
             )
         self.estimator = estimator
         self.placement = placement
+        self.per_token_advantages = placement == "advantage"  # −kl_coef · k_t per token
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         mask = batch.response_mask

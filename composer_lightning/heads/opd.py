@@ -32,6 +32,7 @@ class OPDHead(Head):
 
     default_name = "opd"
     requires = frozenset({"teacher_logprobs"})
+    per_token_advantages = True
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """The training step: `ComposerModule` and everything one optimizer step runs.
 
 Owns: the LightningModule (`module.py`) and its checkpoint hooks and additions
-(`checkpoint.py`); the objective of one minibatch (`objective.py`, mixing in `mixer.py`); the
+(`checkpoint.py`); the objective of one minibatch (`objective.py`, mixing in `mixer.py`, the surrogate's
+options and token masks in `surrogate.py`); the
 forwards without `[B, T, V]` logits (`hidden.py`, `forward.py`, `topk_targets.py`) under the
 one owner of a rollout batch's no-grad targets (`targets.py`), each calling only down; the
 micro-batch plan (`microbatch.py`) and the accumulated backward (`accumulate.py`); the canary

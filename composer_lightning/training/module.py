@@ -8,7 +8,7 @@ Its checkpoint hooks are `checkpoint.CheckpointHooks`; the step's forwards, targ
 micro-batches and objective each have a module of their own (`training/__init__.py`).
 
 Why this file is long: `ComposerModule` is the class a run configures as `model:`, and its
-thirty options are documented on it (≈ 85 lines, what `--help` shows).
+thirty-six options are documented on it (≈ 100 lines, what `--help` shows).
 """
 
 from __future__ import annotations
@@ -64,7 +64,13 @@ from composer_lightning.training.checkpoint import (
 from composer_lightning.training.forward import Forwards, TokenScores, step_context
 from composer_lightning.training.microbatch import MicroBatching, Plan
 from composer_lightning.training.microbatch import plans as plan_micro_batches
-from composer_lightning.training.objective import Aggregation, Mixing, Objective
+from composer_lightning.training.objective import (
+    Aggregation,
+    LossMode,
+    Mixing,
+    Objective,
+    RatioLevel,
+)
 from composer_lightning.training.steplog import log_step, log_validation
 from composer_lightning.training.targets import rollout_targets
 
@@ -139,6 +145,20 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         activation_checkpointing: keep only each decoder layer's input for the backward and
             recompute the rest (HF gradient checkpointing): far less activation memory for
             about one more forward of the layers.
+        loss_mode: the surrogate of the advantage heads: `clip` (PPO's clipped ratio), `cispo`
+            (MiniMax-M1: the ratio capped at 1 + clip_high, a detached weight on log π) or
+            `sapo` (a soft gate, `sapo_temperature_pos` / `_neg`); TRL's `loss_type` values
+            `cispo` and `sapo` (`functional.policy_loss`).
+        importance_sampling_level: `token`; `sequence` (GSPO: one ratio per response, the mean
+            log-ratio; refused beside a head with per-token advantages such as OPD) or
+            `sequence_token` (GSPO-token: the sequence's ratio, each token's own gradient).
+        sapo_temperature_pos: SAPO's gate temperature for A > 0. sapo_temperature_neg: for A ≤ 0.
+        top_entropy_quantile: train the surrogate on the top share of response tokens by
+            entropy only (across ranks; TRL's `top_entropy_quantile`, 0.2 in its paper);
+            1 (default): every token.
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask: drop
+            negative-advantage tokens of responses whose mean `log μ − log π` exceeds it (μ the
+            engine's log-probs); None (default): off.
         allow_head_changes: resuming from a checkpoint with heads added or removed drops the
             removed heads' saved state and starts the added ones fresh; False (default) makes
             that a configuration error. Other differences from the checkpoint's configuration
@@ -174,6 +194,12 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         micro_batch_size: int | None = None,
         chunk_size: int | None = None,
         activation_checkpointing: bool = False,
+        loss_mode: LossMode = "clip",
+        importance_sampling_level: RatioLevel = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        top_entropy_quantile: float = 1.0,
+        off_policy_mask_threshold: float | None = None,
         allow_head_changes: bool = False,
     ):
         super().__init__()
@@ -195,6 +221,12 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             variance_matching=variance_matching,
             importance_cap=importance_cap,
             grad_norm_matching=grad_norm_matching,
+            loss_mode=loss_mode,
+            importance_sampling_level=importance_sampling_level,
+            sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg,
+            top_entropy_quantile=top_entropy_quantile,
+            off_policy_mask_threshold=off_policy_mask_threshold,
         )
         n = grad_share_every_n_steps
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:

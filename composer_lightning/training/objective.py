@@ -45,9 +45,17 @@ from composer_lightning.training.mixer import (
     masked_stats,
     variance_scales,
 )
+from composer_lightning.training.surrogate import (
+    check_surrogate,
+    entropy_tokens,
+    kept_share,
+    off_policy_tokens,
+)
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 Mixing = Literal["advantage", "loss"]
+LossMode = Literal["clip", "cispo", "sapo"]
+RatioLevel = Literal["token", "sequence", "sequence_token"]
 
 
 class Objective:
@@ -72,6 +80,20 @@ class Objective:
             per-token loss is weighted by `min(exp(old − behaviour), importance_cap)`
             (truncated importance sampling, verl's `rollout_is_threshold`); None: no weights.
             Loss heads (SDPO, DPO) are not reweighted.
+        loss_mode: the surrogate (`functional.policy_loss`): `clip` (PPO), `cispo` (the ratio
+            capped at 1 + clip_high as a detached weight on log π) or `sapo` (a soft gate).
+        importance_sampling_level: `token`, `sequence` (GSPO: one ratio per response) or
+            `sequence_token` (GSPO-token). `sequence` is refused with a head whose advantages
+            differ along a response (`Head.per_token_advantages`: OPD, KL in the advantage).
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures (A > 0, A ≤ 0).
+        top_entropy_quantile: the surrogate keeps only the response tokens in the top share of
+            entropy over the minibatch of every rank (`functional.high_entropy_mask`); 1 (default):
+            every token. The entropy bonus then acts on the same tokens.
+        off_policy_mask_threshold: drop negative-advantage tokens of responses whose mean
+            `log μ − log π` exceeds it, μ the engine's log-probs when the batch has them, else
+            π_old (`functional.off_policy_sequence_mask`); None: no mask.
+        The surrogate's options and masks act on the advantage heads' one surrogate; loss heads
+        (SDPO, replay DPO, top-k OPD, KL in the loss) keep their own losses unchanged.
     """
 
     def __init__(
@@ -87,8 +109,27 @@ class Objective:
         variance_matching: str | None = None,
         importance_cap: float | None = 2.0,
         grad_norm_matching: str | None = None,
+        loss_mode: LossMode = "clip",
+        importance_sampling_level: RatioLevel = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        top_entropy_quantile: float = 1.0,
+        off_policy_mask_threshold: float | None = None,
     ):
         self.heads = _check_heads(heads)
+        check_surrogate(
+            self.heads,
+            loss_mode,
+            importance_sampling_level,
+            dual_clip,
+            (sapo_temperature_pos, sapo_temperature_neg),
+            top_entropy_quantile,
+            off_policy_mask_threshold,
+        )
+        self.loss_mode, self.ratio_level = loss_mode, importance_sampling_level
+        self.sapo_temperatures = (float(sapo_temperature_pos), float(sapo_temperature_neg))
+        self.top_entropy_quantile = float(top_entropy_quantile)
+        self.off_policy_mask_threshold = off_policy_mask_threshold
         if not 0 < clip_low < 1:
             raise ValueError(f"clip_low must be in (0, 1), got {clip_low}")
         if not clip_high > 0:
@@ -129,7 +170,8 @@ class Objective:
     def requirements(self, weights: dict[str, float]) -> set[str]:
         """What the heads with a non-zero weight read from the step context."""
         needs = set().union(*(h.requires for h in self.heads if weights[h.name] > 0))
-        return needs | ({"entropy"} if self.entropy_coef > 0 else set())
+        reads_entropy = self.entropy_coef > 0 or self.top_entropy_quantile < 1
+        return needs | ({"entropy"} if reads_entropy else set())
 
     def reads_teacher(self) -> bool:
         """Whether a head with a non-zero configured weight reads a hinted teacher (OPD, SDPO,
@@ -212,6 +254,7 @@ class Objective:
             if out.loss is not None:
                 total = total + effective[name] * out.loss
         terms = [t._replace(weight=effective[t.name]) for t in terms]
+        bonus_tokens = batch.response_mask
         if terms:
             pg, pg_metrics = self.surrogate(ctx, batch, terms)
             metrics.update({f"ppo/{k}": v for k, v in pg_metrics.items()})
@@ -222,7 +265,9 @@ class Objective:
                 ctx.entropy.detach(), batch.response_mask, "token_mean"
             )
             if self.entropy_coef > 0:
-                total = total - self.entropy_coef * ctx.aggregate(ctx.entropy, batch.response_mask)
+                if self.top_entropy_quantile < 1:  # the bonus acts on the tokens trained
+                    bonus_tokens = entropy_tokens(ctx, batch, self.top_entropy_quantile)
+                total = total - self.entropy_coef * ctx.aggregate(ctx.entropy, bonus_tokens)
         metrics["train/loss"] = total.detach()
         return total, metrics
 
@@ -280,6 +325,10 @@ class Objective:
     ) -> tuple[dict, dict[str, Tensor]]:
         """`policy_loss`'s options for this minibatch, and the importance weights' metrics."""
         weights, is_metrics = self.importance_weights(ctx, batch)
+        if self.top_entropy_quantile < 1:
+            kept = entropy_tokens(ctx, batch, self.top_entropy_quantile).to(ctx.logprobs.dtype)
+            weights = kept if weights is None else weights * kept
+            is_metrics = is_metrics | {"entropy_kept": kept_share(kept, batch.response_mask)}
         kw = dict(
             clip_low=self.clip_low,
             clip_high=self.clip_high,
@@ -287,6 +336,9 @@ class Objective:
             aggregation=self.aggregation,
             norm_length=ctx.norm_length,
             weights=weights,
+            loss_mode=self.loss_mode,
+            ratio_level=self.ratio_level,
+            sapo_temperatures=self.sapo_temperatures,
         )
         return kw, is_metrics
 
@@ -297,6 +349,10 @@ class Objective:
         kw, is_metrics = self._surrogate_options(ctx, batch)
         scaled = [t.weight * t.advantages for t in terms]
         mixed = torch.stack(scaled).sum(0)  # [B, T]
+        if self.off_policy_mask_threshold is not None:
+            kept = off_policy_tokens(ctx, batch, mixed, self.off_policy_mask_threshold)
+            kw["weights"] = kept if kw["weights"] is None else kw["weights"] * kept
+            is_metrics = is_metrics | {"off_policy_kept": kept_share(kept, batch.response_mask)}
         if self.mixing == "advantage":
             loss, metrics = policy_loss(
                 ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw
