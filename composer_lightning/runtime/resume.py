@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 _NOT_COMPARED = frozenset({"_instantiator", "allow_head_changes", "heads", "lr_scheduler"})
 #: Frozen models: the configured ones are used, never stored (`leave_frozen_out`).
 FROZEN = ("reference", "teacher")
-_FROZEN_KEYS = tuple(f"{name}." for name in FROZEN)
 #: A scheduler's progress, as opposed to its settings.
 _PROGRESS = frozenset(
     {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
@@ -209,30 +208,36 @@ def policy_mismatch(checkpoint: dict[str, Any], policy: torch.nn.Module) -> str 
     )
 
 
-def leave_frozen_out(module: torch.nn.Module) -> None:
+def leave_frozen_out(module: torch.nn.Module, keep: tuple[str, ...] = ()) -> None:
     """Keep `module`'s frozen models (`FROZEN`) out of its state dict and out of what its
     `load_state_dict` reports missing: every checkpoint path (a whole file, FSDP2's sharded
     directory, `load_from_checkpoint`) then stores and loads the policy alone, and the frozen
-    models stay as configured and loaded (sharded or not)."""
+    models stay as configured and loaded (sharded or not). The models named in `keep` change
+    during training (a reference synced to the policy, `training/refsync.py`): they are
+    saved and loaded like the policy."""
+    module._frozen_keys = tuple(f"{name}." for name in FROZEN if name not in keep)
     module.register_state_dict_post_hook(_drop_frozen)
     module.register_load_state_dict_post_hook(_frozen_not_missing)
 
 
 def _drop_frozen(module: torch.nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
-    for key in [k for k in state if k[len(prefix) :].startswith(_FROZEN_KEYS)]:
+    for key in [k for k in state if k[len(prefix) :].startswith(module._frozen_keys)]:
         del state[key]
 
 
 def _frozen_not_missing(module: torch.nn.Module, keys: Any) -> None:
-    keys.missing_keys[:] = [k for k in keys.missing_keys if not k.startswith(_FROZEN_KEYS)]
+    left_out = module._frozen_keys
+    keys.missing_keys[:] = [k for k in keys.missing_keys if not k.startswith(left_out)]
 
 
-def keep_frozen(checkpoint: dict[str, Any]) -> None:
+def keep_frozen(checkpoint: dict[str, Any], keep: tuple[str, ...] = ()) -> None:
     """Drop the frozen models' copies from a whole checkpoint written before they were left out
     (`leave_frozen_out`), so that the configured ones stay; a sharded checkpoint's copies are
-    never read (only the module's own state dict keys are loaded)."""
+    never read (only the module's own state dict keys are loaded). Those named in `keep` are
+    the checkpoint's to restore."""
+    left_out = tuple(f"{name}." for name in FROZEN if name not in keep)
     state = checkpoint.get("state_dict")
-    for key in [k for k in state or {} if k.startswith(_FROZEN_KEYS)]:
+    for key in [k for k in state or {} if k.startswith(left_out)]:
         del state[key]
 
 

@@ -6,7 +6,7 @@ options and token masks in `surrogate.py`); the
 forwards without `[B, T, V]` logits (`hidden.py`, `forward.py`, `topk_targets.py`) under the
 one owner of a rollout batch's no-grad targets (`targets.py`), each calling only down; the
 micro-batch plan (`microbatch.py`) and the accumulated backward (`accumulate.py`); the canary
-(`canary.py`); one write of a step's metrics (`steplog.py`).
+(`canary.py`); a reference that follows the policy (`refsync.py`); one write of a step's metrics (`steplog.py`).
 May import: `functional`, `runtime`, `models`, `engines` (fingerprints), `protocols`, `heads`,
 `callbacks`. Never the rollout side: it hands the module a `RolloutBatch` and nothing else.
 """

@@ -223,7 +223,7 @@ class CheckpointHooks:
         found = self.resume_differences(checkpoint, world()[1])
         found.raise_refused()
         found.report()
-        keep_frozen(checkpoint)
+        keep_frozen(checkpoint, ("reference",) if self.reference_sync.enabled else ())
         state = checkpoint.get("composer", {})
         self.policy_version, self._restored_rng = load_state(
             state, self.heads, self.allow_head_changes

@@ -8,7 +8,7 @@ Its checkpoint hooks are `checkpoint.CheckpointHooks`; the step's forwards, targ
 micro-batches and objective each have a module of their own (`training/__init__.py`).
 
 Why this file is long: `ComposerModule` is the class a run configures as `model:`, and its
-thirty-six options are documented on it (≈ 100 lines, what `--help` shows).
+thirty-eight options are documented on it (≈ 105 lines, what `--help` shows).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ from composer_lightning.training.objective import (
     Objective,
     RatioLevel,
 )
+from composer_lightning.training.refsync import ReferenceSync
 from composer_lightning.training.steplog import log_step, log_validation
 from composer_lightning.training.targets import rollout_targets
 
@@ -156,6 +157,11 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         top_entropy_quantile: train the surrogate on the top share of response tokens by
             entropy only (across ranks; TRL's `top_entropy_quantile`, 0.2 in its paper);
             1 (default): every token.
+        ref_model_sync_steps: every N optimizer steps the reference becomes `α·policy + (1 −
+            α)·reference` (TR-DPO; TRL's `sync_ref_model`), α = `ref_model_mixup_alpha`; the
+            synced reference is then saved in checkpoints. 0 (default): a fixed reference.
+            Refused without a head that reads the reference, and with LoRA.
+        ref_model_mixup_alpha: the policy's share of each sync, in (0, 1].
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask: drop
             negative-advantage tokens of responses whose mean `log μ − log π` exceeds it (μ the
             engine's log-probs); None (default): off.
@@ -200,6 +206,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         sapo_temperature_neg: float = 1.05,
         top_entropy_quantile: float = 1.0,
         off_policy_mask_threshold: float | None = None,
+        ref_model_sync_steps: int = 0,
+        ref_model_mixup_alpha: float = 0.6,
         allow_head_changes: bool = False,
     ):
         super().__init__()
@@ -247,7 +255,10 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
         self.reference = reference_model(reference, self.policy, self.heads)
         self.teacher = frozen_model(teacher, "model.teacher")
-        leave_frozen_out(self)  # rebuilt from the configuration: never in a checkpoint
+        self.reference_sync = ReferenceSync(ref_model_sync_steps, ref_model_mixup_alpha)
+        self.reference_sync.check(self.policy, self.reference, peft is not None)
+        # rebuilt from the configuration: never in a checkpoint, but for a reference that syncs
+        leave_frozen_out(self, keep=("reference",) if self.reference_sync.enabled else ())
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.chunk_size = norm_length, chunk_size
         self.configured_temperature = temperature  # None: the sampler's (RolloutCallback.setup)
@@ -432,6 +443,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             opt.step()
             if sched is not None:  # one step axis: the schedule counts optimizer steps too
                 sched.step()
+            self.reference_sync.after_step(self.global_step, self.policy, self.reference)
             for k, v in metrics.items():
                 history[k].append(float(v))
         step_metrics.update(canary.local(), kind="max")  # reduced already: equal on every rank
