@@ -188,10 +188,6 @@ def test_overlap_refuses_an_engine_spanning_ranks():
                 cb.setup(trainer, module, "fit")
     with pytest.raises(ValueError, match="max_staleness must be an integer >= 0, got -1"):
         RolloutCallback(HFEngine(model_path=POLICY), max_staleness=-1)
-    with pytest.raises(ValueError, match="top_p=0.9, top_k=None"):
-        RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(top_p=0.9))
-    with pytest.raises(ValueError, match="top_p=1.0, top_k=5"):
-        RolloutCallback(HFEngine(model_path=POLICY), sampling=SamplingConfig(top_k=5))
 
 
 def test_a_drawn_sampling_seed_is_saved_and_restored():

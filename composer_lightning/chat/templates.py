@@ -37,14 +37,19 @@ def render_ids(
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of `messages` (and the `tools` specs shown to the model) under the tokenizer's
-    chat template (no extra special tokens).
+    chat template (no extra special tokens), with the template variables of the tokenizer's
+    `chat_template_kwargs` attribute when it has one (TRL's `chat_template_kwargs`, e.g.
+    `enable_thinking: false`; `RolloutDataModule` sets it from `data.chat_template_kwargs`, so
+    prompts, hinted contexts and episodes of a run all render alike).
 
     Raises:
         ValueError: the tokenizer has no chat template (one line naming it).
     """
     if not has_chat_template(tokenizer):
         raise no_template(tokenizer, "a chat")
-    extra = {"tools": tools} if tools else {}
+    extra = dict(getattr(tokenizer, "chat_template_kwargs", None) or {})
+    if tools:
+        extra["tools"] = tools
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )

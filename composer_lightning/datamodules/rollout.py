@@ -83,6 +83,9 @@ class RolloutDataModule(L.LightningDataModule):
             first `val_prompts` rows are the held-out set and nothing of the training data is
             held out (`val_fraction` is not used). None: split the training data.
         val_split: the split of a hub dataset or dataset directory `val_path` names.
+        chat_template_kwargs: variables for the tokenizer's chat template wherever a chat is
+            rendered in the run (prompts, hinted contexts, episodes; training and held-out
+            alike), e.g. `{enable_thinking: false}` (TRL's `chat_template_kwargs`).
 
     A split of a prompt file or dataset says in one line how many rows it holds out and how
     many of those the held-out set uses.
@@ -105,8 +108,15 @@ class RolloutDataModule(L.LightningDataModule):
         max_prompt_length: int | None = None,
         val_path: str | None = None,
         val_split: str = "test",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         super().__init__()
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(
+                f"chat_template_kwargs must be a mapping of template variables to values, got "
+                f"{chat_template_kwargs!r}"
+            )
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if task is None and prompt_file is None and dataset is None:
             raise ValueError("RolloutDataModule needs a task, a prompt_file or a dataset")
         if prompt_file is not None and dataset is not None:
@@ -177,6 +187,8 @@ class RolloutDataModule(L.LightningDataModule):
                 self.tokenizer_path, what="RolloutDataModule tokenizer", require=TOKENIZER_FILE
             )
             self._tokenizer = AutoTokenizer.from_pretrained(path)
+            # read by `chat.render_ids`: every chat of the run renders with these variables
+            self._tokenizer.chat_template_kwargs = self.chat_template_kwargs
         return self._tokenizer
 
     def _rank(self) -> tuple[int, int]:

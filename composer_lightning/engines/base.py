@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -22,8 +22,16 @@ class SamplingConfig:
     Attributes:
         temperature: logits are divided by it before sampling, > 0; 0 means greedy decoding
             (held-out evaluation; training rollouts must sample).
-        top_p: nucleus mass in (0, 1]; keep 1.0 for training rollouts.
-        top_k: keep the k most likely tokens; None (or 0) is off; keep off for training.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; None (or 0) is off.
+        min_p: drop tokens less likely than `min_p` × the most likely one's probability, in
+            [0, 1); 0 is off.
+        repetition_penalty: > 0; 1 is off; > 1 discourages tokens already in the prompt or
+            the completion (vLLM's and transformers' penalty).
+        generation_kwargs: further sampling options, passed as they are to vLLM's
+            `SamplingParams` and transformers' `generate` (TRL's `generation_kwargs`), e.g.
+            `{presence_penalty: 0.5}` for vLLM; an option the engine does not know is its
+            error.
         max_tokens: the most tokens generated per completion (≥ 1).
         stop_token_ids: generation stops after any of these (the stop token is kept), and
             after any EOS id the model declares.
@@ -38,6 +46,9 @@ class SamplingConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -48,7 +59,31 @@ class SamplingConfig:
             raise ValueError(f"top_k must be None, 0 (off) or positive, got {self.top_k!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0: off), got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty!r}"
+            )
+        if not isinstance(self.generation_kwargs, dict):
+            raise ValueError(
+                f"generation_kwargs must be a mapping of option names to values, got "
+                f"{self.generation_kwargs!r}"
+            )
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the sampler draws from more than `softmax(logits / temperature)` (top-p,
+        top-k, min-p, a penalty, further options): its log-probs are then those of a behaviour
+        policy the trainer's log-probs are not."""
+        return bool(
+            self.top_p != 1
+            or self.top_k_or_none
+            or self.min_p
+            or self.repetition_penalty != 1
+            or self.generation_kwargs
+        )
 
     def stops(self, eos_token_ids: list[int]) -> list[int]:
         """The ids that end a completion: `stop_token_ids` plus the model's EOS ids."""

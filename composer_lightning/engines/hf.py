@@ -133,7 +133,17 @@ class HFEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             torch.manual_seed(seed)
-            return self._generate(prompts, n, sampling)
+            if sampling.repetition_penalty == 1 and not sampling.generation_kwargs:
+                return self._generate(prompts, n, sampling)
+            # transformers' penalties count the left padding as prompt tokens (the pad id, an
+            # EOS, would be penalised): one call per prompt length, none padded
+            results: list[list[Completion]] = [[] for _ in prompts]
+            for length in sorted({len(p) for p in prompts}):
+                rows = [i for i, p in enumerate(prompts) if len(p) == length]
+                outs = self._generate([prompts[i] for i in rows], n, sampling)
+                for i, out in zip(rows, outs, strict=True):
+                    results[i] = out
+            return results
 
     def _generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig
@@ -146,20 +156,26 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p) :] = 1
+        options = {
+            "do_sample": sampling.temperature > 0,  # 0: greedy
+            "temperature": sampling.temperature or None,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k_or_none or 0,  # 0 disables HF's top-k warper
+            "min_p": sampling.min_p or None,
+            "repetition_penalty": sampling.repetition_penalty,
+            "max_new_tokens": sampling.max_tokens,
+            "min_new_tokens": 0,
+            **sampling.generation_kwargs,  # the user's word wins
+        }
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
-            do_sample=sampling.temperature > 0,  # 0: greedy
-            temperature=sampling.temperature or None,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k_or_none or 0,  # 0 disables HF's top-k warper
-            max_new_tokens=sampling.max_tokens,
-            min_new_tokens=0,
             num_return_sequences=n,
             eos_token_id=list(stops) or None,
             pad_token_id=pad_id,
             return_dict_in_generate=True,
             output_scores=True,  # processed scores: what was sampled from
+            **options,
         )
         generated: Tensor = out.sequences[:, width:].cpu()  # [P x n, L]
         scores = torch.stack(out.scores, dim=1).float()  # [P x n, L, V]

@@ -74,6 +74,11 @@ class OpenAIEngine:
                 extra["top_k"] = sampling.top_k_or_none  # a vLLM extension
             if sampling.stop_token_ids:
                 extra["stop_token_ids"] = list(sampling.stop_token_ids)  # likewise
+            if sampling.min_p:
+                extra["min_p"] = sampling.min_p  # likewise
+            if sampling.repetition_penalty != 1:
+                extra["repetition_penalty"] = sampling.repetition_penalty  # likewise
+            extra.update(sampling.generation_kwargs)  # the server's extra sampling options
             response = self.client.chat.completions.create(
                 model=self.model,
                 messages=conversations[i],

@@ -303,16 +303,21 @@ class VLLMEngine:
         # prompts in one call still get distinct samples.
         params = [
             SamplingParams(
-                n=n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k_or_none or 0,  # vLLM 0.32: 0 (or -1) disables top-k
-                max_tokens=sampling.max_tokens,
-                stop_token_ids=sampling.stops(self.eos_token_ids),
-                ignore_eos=True,  # the stop ids above already hold the model's EOS ids
-                seed=base_seed + i * n,
-                logprobs=0,  # the sampled token's log-prob only
-                detokenize=False,
+                **{
+                    "n": n,
+                    "temperature": sampling.temperature,
+                    "top_p": sampling.top_p,
+                    "top_k": sampling.top_k_or_none or 0,  # vLLM 0.32: 0 (or -1) is off
+                    "min_p": sampling.min_p,
+                    "repetition_penalty": sampling.repetition_penalty,
+                    "max_tokens": sampling.max_tokens,
+                    "stop_token_ids": sampling.stops(self.eos_token_ids),
+                    "ignore_eos": True,  # the stop ids above already hold the model's EOS ids
+                    "seed": base_seed + i * n,
+                    "logprobs": 0,  # the sampled token's log-prob only
+                    "detokenize": False,
+                    **sampling.generation_kwargs,  # the user's word wins
+                }
             )
             for i in range(len(prompts))
         ]

@@ -24,10 +24,14 @@ log = logging.getLogger(__name__)
 
 
 def load_causal_lm(
-    spec: str | nn.Module, dtype: torch.dtype = torch.float32, what: str = "model"
+    spec: str | nn.Module,
+    dtype: torch.dtype = torch.float32,
+    what: str = "model",
+    init_kwargs: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Return `spec` if it is a module, else load the HF causal LM it names: a local directory
-    or a hub id (`models/hub.resolve_model`).
+    or a hub id (`models/hub.resolve_model`), with `init_kwargs` for `from_pretrained` (TRL's
+    `model_init_kwargs`: `dtype`, `attn_implementation`, ...; they win over `dtype`).
 
     The loaded model is in train mode (HF `from_pretrained` returns eval mode).
     """
@@ -40,7 +44,8 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(spec, what=what)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+    kwargs = {"dtype": dtype, **(init_kwargs or {})}
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).train()
 
 
 def absolute_spec(spec: Any) -> Any:
@@ -53,7 +58,9 @@ def absolute_spec(spec: Any) -> Any:
     return spec
 
 
-def load_policy(spec: str, what: str = "model.policy") -> tuple[str, nn.Module]:
+def load_policy(
+    spec: str, what: str = "model.policy", init_kwargs: dict[str, Any] | None = None
+) -> tuple[str, nn.Module]:
     """The policy's resolved local directory and the model loaded from it.
 
     While `ComposerModule.load_from_checkpoint` builds a module, a policy that no longer
@@ -69,7 +76,7 @@ def load_policy(spec: str, what: str = "model.policy") -> tuple[str, nn.Module]:
         if "config.json" not in files:
             raise
         return _from_stored_files(spec, ckpt, files, missing)
-    return path, load_causal_lm(path)
+    return path, load_causal_lm(path, init_kwargs=init_kwargs)
 
 
 def _from_stored_files(
@@ -108,17 +115,22 @@ def hparams_to_ignore(**args: Any) -> list[str]:
     return [k for k, v in args.items() if v is not None and not isinstance(v, (str, int, float))]
 
 
-def frozen_model(model: str | nn.Module | None, what: str = "model") -> nn.Module | None:
+def frozen_model(
+    model: str | nn.Module | None, what: str = "model", init_kwargs: dict[str, Any] | None = None
+) -> nn.Module | None:
     """A frozen (no grad, eval mode) model from a directory or module; None stays None."""
     if model is None:
         return None
-    m = load_causal_lm(model, what=what)
+    m = load_causal_lm(model, what=what, init_kwargs=init_kwargs)
     m.requires_grad_(False)
     return m.eval()
 
 
 def reference_model(
-    reference: str | nn.Module | None, policy: nn.Module, heads: list
+    reference: str | nn.Module | None,
+    policy: nn.Module,
+    heads: list,
+    init_kwargs: dict[str, Any] | None = None,
 ) -> nn.Module | None:
     """The frozen reference: the given one, else, when a head with a non-zero weight reads
     reference log-probs, the policy with its adapters off for a LoRA policy (no copy,
@@ -127,4 +139,4 @@ def reference_model(
         if is_lora(policy):
             return AdapterFreeReference(policy)
         reference = copy.deepcopy(policy)
-    return frozen_model(reference, "model.reference")
+    return frozen_model(reference, "model.reference", init_kwargs)

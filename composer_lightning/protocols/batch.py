@@ -76,6 +76,9 @@ class RolloutBatch:
             the module reduces and logs them with its own, once per step.
         engine_dtype: the engine's compute dtype ("float32", "bfloat16", ...; the canary's
             default threshold), or None.
+        sampler_shaped: the engine sampled from more than logits / temperature (top-p, top-k,
+            min-p, penalties: `SamplingConfig.shaped`): `engine_logprobs` are then a behaviour
+            policy's, corrected for with truncated importance weights, and not a sync check.
         extras: free-form per-batch information of the user's.
     """
 
@@ -103,6 +106,7 @@ class RolloutBatch:
     index: int | None = None
     metrics: StepMetrics | None = None
     engine_dtype: str | None = None
+    sampler_shaped: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

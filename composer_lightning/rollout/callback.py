@@ -80,8 +80,10 @@ class RolloutCallback(L.Callback):
             configured here and started in `setup`, once per rank, after the trainer's process
             group and device exist. Without a model path it follows the policy's directory.
         group_size: G, samples per prompt.
-        sampling: temperature (must equal the module's), top_p = 1 and top_k off (training
-            log-probs are those of the full distribution), max_tokens, stop ids (the
+        sampling: temperature (must equal the module's); top_p, top_k, min_p, repetition_penalty
+            and generation_kwargs shape the sampler, whose log-probs then weight the surrogate
+            as a behaviour policy's (`model.importance_cap`, TRL's vLLM importance sampling
+            correction), max_tokens, stop ids (the
             tokenizer's and the model's EOS ids are always added), seed (sampling seeds are a
             function of it, the step and the rank; None: drawn once by rank 0 and saved in
             checkpoints).
@@ -456,6 +458,7 @@ class RolloutCallback(L.Callback):
         )
         rollout.policy_version = version
         rollout.engine_dtype = getattr(self.engine, "dtype", None)  # the canary's threshold
+        rollout.sampler_shaped = sampling.shaped  # the engine's log-probs: a behaviour policy's
         metrics.include(built)
         tokens = built.local()["rollout/tokens"]
         metrics.max("rollout/gen_time", gen_time)

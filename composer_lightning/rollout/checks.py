@@ -171,13 +171,6 @@ def check_settings(
         raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
     if sampling.temperature == 0:
         raise ValueError("training rollouts must sample: sampling.temperature must be > 0")
-    if sampling.top_p != 1 or sampling.top_k_or_none is not None:
-        raise ValueError(
-            f"training rollouts sample the full distribution: got top_p="
-            f"{sampling.top_p}, top_k={sampling.top_k} (expected top_p=1.0 and "
-            "top_k None); the trainer's log-probs are those of logits / temperature, so a "
-            "truncated sampler would read as an engine out of sync"
-        )
     if val_samples < 1:
         raise ValueError(f"val_samples must be >= 1, got {val_samples}")
     if isinstance(val_threshold, bool) or not isinstance(val_threshold, (int, float)):

@@ -68,7 +68,10 @@ def check_canary(
 
     `old` are the trainer's log-probs at its current version; a `stale` batch is compared with
     its `behavior_logprobs` (the generating version's, recomputed on the first `CANARY_ROWS`
-    rows) instead, and not at all without them (batches generated before a resume).
+    rows) instead, and not at all without them (batches generated before a resume). A batch of
+    a shaped sampler (`rb.sampler_shaped`: top-k, min-p, penalties) is not compared: its
+    log-probs differ from the trainer's by design; the weight fingerprint (`check_fingerprint`)
+    still checks the push.
 
     Raises:
         OutOfSyncError: on every rank, when a rank's gap is over `max_logprob_gap` or not
@@ -80,6 +83,8 @@ def check_canary(
         if trainer is not None:  # the first rows were recomputed (`version_logprobs`)
             rows = torch.arange(rb.batch_size, device=covered.device) < CANARY_ROWS
             covered = covered & rows[:, None]
+    if rb.sampler_shaped:
+        trainer = None
     error = None
     if rb.engine_logprobs is not None and trainer is not None:
         engine = rb.engine_logprobs.to(old.dtype)[covered]

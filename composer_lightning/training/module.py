@@ -8,7 +8,7 @@ Its checkpoint hooks are `checkpoint.CheckpointHooks`; the step's forwards, targ
 micro-batches and objective each have a module of their own (`training/__init__.py`).
 
 Why this file is long: `ComposerModule` is the class a run configures as `model:`, and its
-thirty-eight options are documented on it (≈ 105 lines, what `--help` shows).
+thirty-nine options are documented on it (≈ 110 lines, what `--help` shows).
 """
 
 from __future__ import annotations
@@ -162,6 +162,10 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             synced reference is then saved in checkpoints. 0 (default): a fixed reference.
             Refused without a head that reads the reference, and with LoRA.
         ref_model_mixup_alpha: the policy's share of each sync, in (0, 1].
+        model_init_kwargs: `from_pretrained` options of the policy, reference and teacher
+            loads (TRL's `model_init_kwargs`), e.g. `{attn_implementation: eager}` or `{dtype:
+            bfloat16}` (default fp32; the trainer's `precision` is the usual way to train in
+            16 bits). Modules given as objects are used as they are.
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask: drop
             negative-advantage tokens of responses whose mean `log μ − log π` exceeds it (μ the
             engine's log-probs); None (default): off.
@@ -208,6 +212,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         off_policy_mask_threshold: float | None = None,
         ref_model_sync_steps: int = 0,
         ref_model_mixup_alpha: float = 0.6,
+        model_init_kwargs: dict[str, Any] | None = None,
         allow_head_changes: bool = False,
     ):
         super().__init__()
@@ -243,8 +248,14 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         check_loop_settings(**{k: v for k, v in locals().items() if k in LOOP_SETTINGS})
         # resolved once: engines and the data module's tokenizer follow this local directory
         self.policy_path: str | None = None
+        if model_init_kwargs is not None and not isinstance(model_init_kwargs, dict):
+            raise ValueError(
+                f"model_init_kwargs must be a mapping of from_pretrained options, got "
+                f"{model_init_kwargs!r}"
+            )
+        init = model_init_kwargs
         if isinstance(policy, str):
-            self.policy_path, self.policy = load_policy(policy)
+            self.policy_path, self.policy = load_policy(policy, init_kwargs=init)
         else:
             self.policy = load_causal_lm(policy)
         if peft is not None:
@@ -253,8 +264,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         self._policy_files: dict[str, bytes] | None = None
         if activation_checkpointing:
             self.policy.gradient_checkpointing_enable({"use_reentrant": False})
-        self.reference = reference_model(reference, self.policy, self.heads)
-        self.teacher = frozen_model(teacher, "model.teacher")
+        self.reference = reference_model(reference, self.policy, self.heads, init)
+        self.teacher = frozen_model(teacher, "model.teacher", init)
         self.reference_sync = ReferenceSync(ref_model_sync_steps, ref_model_mixup_alpha)
         self.reference_sync.check(self.policy, self.reference, peft is not None)
         # rebuilt from the configuration: never in a checkpoint, but for a reference that syncs
@@ -392,7 +403,9 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         # generated ahead, by an older version (a batch without a version stamp is taken as on
         # policy: synthetic or recorded data, nothing to correct against)
         stale = rb.policy_version is not None and rb.policy_version != self.policy_version
-        behavior = rb.engine_logprobs if stale else None
+        # a shaped sampler (top-k, min-p, penalties) is a behaviour policy of its own: its
+        # log-probs weight the surrogate as a stale batch's do
+        behavior = rb.engine_logprobs if stale or rb.sampler_shaped else None
         targets = self.rollout_targets(rb, needs, splits, updates, plans, behavior)
         history: dict[str, list[float]] = defaultdict(list)
         canary = StepMetrics()

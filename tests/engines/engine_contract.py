@@ -114,6 +114,59 @@ def check_trainer_agreement(engine, policy) -> dict:
     return {"max_gap": max(gaps), "mean_gap": sum(gaps) / len(gaps)}
 
 
+@torch.no_grad()
+def shaped_logprobs(
+    model,
+    prompt: list[int],
+    completion: list[int],
+    temperature: float,
+    penalty: float,
+    min_p: float,
+) -> list[float]:
+    """The log-probs of a sampler shaped as vLLM and transformers shape it, by hand in float64:
+    the repetition penalty on the raw logits of every token already in prompt ⊕ completion
+    (a positive logit divided by it, a negative one multiplied), then the temperature, then
+    min-p (tokens below `min_p` × the top probability dropped), renormalised."""
+    out = []
+    for t, token in enumerate(completion):
+        ids = torch.tensor([prompt + completion[:t]])
+        logits = model(input_ids=ids).logits[0, -1].double()  # [V]
+        seen = torch.tensor(sorted(set(prompt + completion[:t])))
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+        probs = (logits / temperature).softmax(-1)
+        kept = torch.where(probs >= min_p * probs.max(), probs, torch.zeros_like(probs))
+        out.append(math.log(kept[token] / kept.sum()))
+    return out
+
+
+def check_shaped_sampling(engine, policy) -> dict:
+    """`repetition_penalty` and `min_p` reach the engine, as fields and as `generation_kwargs`
+    alike: its log-probs are those of the shaped distribution (by hand), not the trainer's."""
+    first = SamplingConfig(
+        temperature=TEMPERATURE, max_tokens=8, seed=2, min_p=0.02, repetition_penalty=1.5
+    )
+    second = dataclasses.replace(
+        first,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        generation_kwargs={"min_p": 0.02, "repetition_penalty": 1.5},
+    )
+    results = [engine.generate(PROMPTS[:2], 2, s) for s in (first, second)]
+    flat = [[(c.token_ids, c.logprobs) for r in res for c in r] for res in results]
+    assert flat[0] == flat[1], "generation_kwargs shaped the sampler unlike the same fields"
+    gaps, plain = [], []
+    for prompt, completions in zip(PROMPTS[:2], results[0], strict=True):
+        for c in completions:
+            ref = shaped_logprobs(policy, prompt, c.token_ids, TEMPERATURE, 1.5, 0.02)
+            gaps += [abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)]
+            unshaped = trainer_logprobs(policy, prompt, c.token_ids, TEMPERATURE)
+            plain += [abs(a - b) for a, b in zip(c.logprobs, unshaped, strict=True)]
+    assert max(gaps) <= 1e-4, f"engine vs shaped reference max gap {max(gaps):.3g}"
+    assert sum(plain) / len(plain) > CANARY, "the penalty did not reach the engine"
+    return {"shaped_gap_max": max(gaps), "unshaped_gap_mean": sum(plain) / len(plain)}
+
+
 def check_push(engine, policy) -> dict:
     """Push perturbed weights (the canary sees them), then the originals (agreement returns)."""
     sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=16, seed=11)
@@ -194,6 +247,7 @@ CHECKS = {
     "shapes": check_shapes,
     "model_eos": check_model_eos,
     "trainer_agreement": check_trainer_agreement,
+    "shaped_sampling": check_shaped_sampling,
     "push": check_push,
     "determinism": check_determinism,
     "bad_requests": check_bad_requests,
