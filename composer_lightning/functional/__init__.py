@@ -8,6 +8,7 @@ May import: nothing of the package.
 from .advantages import (
     dr_grpo_advantages,
     episode_advantages,
+    gdpo_advantages,
     grpo_advantages,
     opd_advantages,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "dpo_rewards",
     "dr_grpo_advantages",
     "episode_advantages",
+    "gdpo_advantages",
     "grpo_advantages",
     "high_entropy_mask",
     "importance_log_ratio",

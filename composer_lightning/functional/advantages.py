@@ -7,6 +7,8 @@ response tokens are the module's job.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -200,4 +202,69 @@ def episode_advantages(
         if not torch.equal(values, values[first][episode]):
             raise ValueError(f"the rows of one episode must share their {name}")
     adv = grpo_advantages(r[first], group_ids[first], rewarded[first], scale_rewards, eps)
+    return adv[episode]
+
+
+def _nanstd(t: Tensor, dim: int | None = None) -> Tensor:
+    """The unbiased standard deviation ignoring NaNs (TRL's `nanstd`); NaN with < 2 values."""
+    mean = torch.nanmean(t, dim=dim, keepdim=True)
+    variance = torch.nanmean((t - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(t)).sum(dim=dim, keepdim=True).to(t.dtype)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.nan)
+    return variance.sqrt().squeeze() if dim is None else variance.sqrt().squeeze(dim)
+
+
+def gdpo_advantages(
+    components: Tensor,  # [N, K] each reward function's value; NaN where it gave none
+    reward_weights: Tensor,  # [K]
+    group_ids: Tensor,  # [N] long
+    has_reward: Tensor | None = None,  # [N] bool or 0/1 float; None = all rewarded
+    episode_ids: Tensor | None = None,  # [N] long; rows of one episode share an id
+    eps: float = 1e-4,
+) -> Tensor:  # [N]
+    """GDPO's advantages (Liu et al. 2026, "Group reward-Decoupled Normalization Policy
+    Optimization", https://arxiv.org/abs/2601.05242; TRL 1.16 `multi_objective_aggregation=
+    "normalize_then_sum"`): each reward function's values are normalised within the group,
+    `(r_k − mean_k) / (std_k + eps)` (NaN-aware, unbiased std; 0 for a group of one), summed
+    with the weights (a NaN counts 0), then normalised over the batch, `(R − mean) / (std +
+    eps)`. A row no function scored, or without a reward, gets exactly 0.
+
+    So a function whose values spread widely cannot drown one that spreads little, as it does
+    when the weighted rewards are summed first. Each episode (`episode_ids`) counts once, its
+    rows sharing its advantage (its rows carry the same components). The batch here is the
+    rollout batch of one rank, as `grpo_advantages`'s `"batch"`.
+    """
+    check_ndim("components", components, (2,))
+    N, K = components.shape
+    check_same_shape(("group_ids", group_ids), ("components[:, 0]", components[:, 0]))
+    if tuple(reward_weights.shape) != (K,):
+        raise ValueError(
+            f"reward_weights has shape {tuple(reward_weights.shape)}; expected {(K,)} (one per "
+            "column of components)"
+        )
+    if N == 0:
+        return components.new_zeros(0)
+    rewarded = (
+        torch.ones(N, dtype=torch.bool, device=components.device)
+        if has_reward is None
+        else as_bool_mask(has_reward)
+    )
+    ids = torch.arange(N, device=components.device) if episode_ids is None else episode_ids
+    _, episode = torch.unique(ids, return_inverse=True)  # [N] in 0..E-1
+    E = int(episode.max()) + 1
+    first = torch.full((E,), N, dtype=torch.long, device=components.device)
+    first = first.scatter_reduce(0, episode, torch.arange(N, device=components.device), "amin")
+    c = components[first].to(reward_weights.dtype)  # [E, K]
+    c = torch.where(rewarded[first, None], c, torch.full_like(c, math.nan))
+    groups = group_ids[first]
+    normalised = torch.full_like(c, math.nan)
+    for g in torch.unique(groups):
+        rows = groups == g
+        sub = c[rows]  # [n_g, K]
+        std = _nanstd(sub, dim=0) if len(sub) > 1 else torch.zeros_like(sub[0])
+        normalised[rows] = (sub - torch.nanmean(sub, dim=0, keepdim=True)) / (std + eps)
+    summed = (normalised * reward_weights).nansum(dim=1)  # [E]
+    summed = torch.where(torch.isnan(c).all(dim=1), torch.nan, summed)
+    std = _nanstd(summed) if E > 1 else torch.zeros((), dtype=summed.dtype)
+    adv = torch.nan_to_num((summed - torch.nanmean(summed)) / (std + eps), nan=0.0)
     return adv[episode]

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from composer_lightning.functional import episode_advantages, grpo_advantages
+import torch
+
+from composer_lightning.functional import episode_advantages, gdpo_advantages, grpo_advantages
 from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.schedules import Schedule
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import StepContext
+
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 class DrGRPOHead(Head):
@@ -20,6 +24,12 @@ class DrGRPOHead(Head):
         scale_rewards: "none" (Dr. GRPO, default); "group" divides by the group's reward
             standard deviation + 1e-4 (GRPO, TRL's default) and "batch" by the rollout
             batch's (`functional.grpo_advantages`), for comparison with TRL's `scale_rewards`.
+        multi_objective_aggregation: "sum_then_normalize" (default): the advantage of the
+            summed, weighted reward; "normalize_then_sum": GDPO (TRL's option of that name,
+            `functional.gdpo_advantages`), each reward function normalised within the group
+            before the weighted sum, the sum normalised over the batch (`scale_rewards` is then
+            not used); it needs each function's values, which `FunctionScore` with several
+            functions gives.
         weight, name, schedule: as `Head`'s.
     """
 
@@ -31,6 +41,9 @@ class DrGRPOHead(Head):
         scale_rewards: Literal["none", "group", "batch"] = "none",
         name: str | None = None,
         schedule: Schedule | None = None,
+        multi_objective_aggregation: Literal[
+            "sum_then_normalize", "normalize_then_sum"
+        ] = "sum_then_normalize",
     ):
         super().__init__(name=name, weight=weight, schedule=schedule)
         if scale_rewards not in ("none", "group", "batch"):
@@ -39,10 +52,31 @@ class DrGRPOHead(Head):
                 f"{scale_rewards!r}"
             )
         self.scale_rewards = scale_rewards
+        if multi_objective_aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"{self.name}: multi_objective_aggregation must be one of {AGGREGATIONS}, got "
+                f"{multi_objective_aggregation!r}"
+            )
+        self.gdpo = multi_objective_aggregation == "normalize_then_sum"
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
         rewards = batch.rewards.to(ctx.logprobs.dtype)
-        if batch.episode_ids is None:
+        if self.gdpo:
+            if batch.reward_components is None:
+                raise ValueError(
+                    f"{self.name}: multi_objective_aggregation='normalize_then_sum' normalises "
+                    "each reward function's values, and this batch has none: score with a "
+                    "FunctionScore of several reward functions"
+                )
+            weights = torch.tensor(batch.reward_weights, dtype=rewards.dtype)
+            adv = gdpo_advantages(
+                batch.reward_components.to(rewards),
+                weights,
+                batch.group_ids,
+                batch.has_reward,
+                batch.episode_ids,
+            )
+        elif batch.episode_ids is None:
             adv = grpo_advantages(rewards, batch.group_ids, batch.has_reward, self.scale_rewards)
         else:  # an episode's turns are rows: the episode counts once in its group
             adv = episode_advantages(

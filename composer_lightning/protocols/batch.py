@@ -76,6 +76,9 @@ class RolloutBatch:
             the module reduces and logs them with its own, once per step.
         engine_dtype: the engine's compute dtype ("float32", "bfloat16", ...; the canary's
             default threshold), or None.
+        reward_components: `[B, K]` each reward function's own value of the sample (NaN where
+            it gave none, or the row's reward came from elsewhere), or None; with
+            `reward_weights` (K weights), what GDPO normalises one function at a time.
         sampler_shaped: the engine sampled from more than logits / temperature (top-p, top-k,
             min-p, penalties: `SamplingConfig.shaped`): `engine_logprobs` are then a behaviour
             policy's, corrected for with truncated importance weights, and not a sync check.
@@ -106,6 +109,8 @@ class RolloutBatch:
     index: int | None = None
     metrics: StepMetrics | None = None
     engine_dtype: str | None = None
+    reward_components: Tensor | None = None
+    reward_weights: tuple[float, ...] | None = None
     sampler_shaped: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -149,6 +154,14 @@ class RolloutBatch:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B,):
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(t.shape)}; expected {(B,)}")
+        if self.reward_components is not None:
+            K = len(self.reward_weights or ())
+            if tuple(self.reward_components.shape) != (B, K):
+                raise ValueError(
+                    f"RolloutBatch.reward_components has shape "
+                    f"{tuple(self.reward_components.shape)}; expected {(B, K)} (a column per "
+                    "reward_weights entry)"
+                )
         if self.teacher_input_ids is not None:
             if self.teacher_positions is None:
                 raise ValueError(

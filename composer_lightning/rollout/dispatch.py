@@ -12,6 +12,7 @@ crashed batch (unless every score failed: `ScoringError`).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -21,7 +22,11 @@ from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.episodes import Episode, Turn
 from composer_lightning.rollout.packing import pack_samples
-from composer_lightning.rollout.providers import provider_logs, provider_values
+from composer_lightning.rollout.providers import (
+    provider_components,
+    provider_logs,
+    provider_values,
+)
 from composer_lightning.runtime.calls import hint_candidates
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
@@ -164,6 +169,7 @@ def build_rollout(
         [list(t.completion.token_ids) for t in finals],
     )
     ScoringError.raise_if_all_failed(outcome, failures)
+    parts = provider_components(score)  # each reward function's own values (GDPO)
     logged, extra = provider_logs(score)  # its reward functions' metrics and columns
     extras = {ask[j]: {c: v[j] for c, v in extra.items() if j < len(v)} for j in range(len(ask))}
     rewards: list[float | None] = [ep.reward for _, ep in live]
@@ -248,6 +254,19 @@ def build_rollout(
             for k, (e, _) in zip(keep, kept, strict=True)
         ]
     )
+    if parts is not None:  # a turn rewarded on its own, or by its environment: no parts
+        by_episode = dict(zip(ask, parts[0], strict=True))
+        nan = [math.nan] * len(parts[1])
+        rollout.reward_components = torch.tensor(
+            [
+                nan
+                if own[k] or e not in by_episode
+                else [math.nan if v is None else v for v in by_episode[e]]
+                for k, (e, _) in zip(keep, kept, strict=True)
+            ],
+            dtype=torch.float64,
+        )
+        rollout.reward_weights = tuple(parts[1])
     truncated = torch.tensor([live[e][1].status == "truncated" for e, _ in kept])
     if mask_truncated:
         rollout.response_mask &= ~truncated[:, None]

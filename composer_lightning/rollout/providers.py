@@ -98,6 +98,13 @@ def provider_logs(provider: Any) -> tuple[dict[str, tuple[float, float]], dict[s
     )
 
 
+def provider_components(provider: Any) -> tuple[list[list[float | None]], list[float]] | None:
+    """Each reward function's value per sample of the provider's last batch and its weights
+    (`FunctionScore.pop_components`), for GDPO; None for a provider without them."""
+    pop = getattr(provider, "pop_components", None)
+    return pop() if callable(pop) else None
+
+
 def share_trainer_state(providers: list[Any], trainer: Any) -> None:
     """Give each provider that reads it (`trainer_state`, TRL's reward-function argument) the
     trainer's step, epoch and `max_steps`, before it scores a batch."""

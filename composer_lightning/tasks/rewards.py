@@ -193,6 +193,7 @@ class FunctionScore(ScoreProvider):
         self.trainer_state = TrainerState()  # the rollout callback keeps it current
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._extra: dict[str, list[Any]] = defaultdict(list)
+        self._components: list[list[float | None]] | None = None
 
     def pop_metrics(self) -> dict[str, tuple[float, float]]:
         """What was logged since the last call, each as `(mean, weight)`: every function's
@@ -208,6 +209,13 @@ class FunctionScore(ScoreProvider):
                 out[name] = (sum(values) / len(values), float(len(values)))
         self._metrics.clear()
         return out
+
+    def pop_components(self) -> tuple[list[list[float | None]], list[float]] | None:
+        """Each function's value per sample of the last `score` call (None where it gave
+        none) and the `reward_weights`, once: what `DrGRPOHead(multi_objective_aggregation=
+        "normalize_then_sum")` (GDPO) normalises one function at a time. None before a call."""
+        components, self._components = self._components, None
+        return None if components is None else (components, list(self.reward_weights))
 
     def pop_extra(self) -> dict[str, list[Any]]:
         """The `log_extra` columns since the last call (one value per completion scored)."""
@@ -289,6 +297,8 @@ class FunctionScore(ScoreProvider):
             scored = [b[0] for b in boxed if b is not None and b[0] is not None]
             if scored:
                 self._metrics[f"rewards/{_name(fn)}"].extend(scored)
+        # each function's own value per sample, for GDPO's per-function normalisation
+        self._components = [list(per_sample) for per_sample in zip(*values, strict=True)]
         scores = [
             None if bad else s
             for bad, s in zip(failed, weighted_rewards(values, self.reward_weights), strict=True)

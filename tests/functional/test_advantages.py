@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from composer_lightning.functional import dr_grpo_advantages, grpo_advantages, opd_advantages
+from composer_lightning.functional import (
+    dr_grpo_advantages,
+    gdpo_advantages,
+    grpo_advantages,
+    opd_advantages,
+)
 
 
 def ref_dr_grpo(rewards, group_ids, has_reward):
@@ -202,3 +207,81 @@ def test_scaled_advantages_by_hand():
     )
     with pytest.raises(ValueError, match="scale_rewards must be 'group', 'batch' or 'none'"):
         grpo_advantages(rewards, ids, None, "std")
+
+
+def trl_gdpo_advantages(rewards_per_func, reward_weights, num_generations):
+    """TRL 1.16 `_generate_and_score_completions`, `multi_objective_aggregation=
+    "normalize_then_sum"` (trl/trainer/grpo_trainer.py:2790-2810), for contiguous groups of
+    `num_generations`; `nanstd` is trl.trainer.utils.nanstd."""
+
+    def nanstd(tensor, dim=None, keepdim=False):
+        mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+        variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+        # TRL divides integer counts (a float32 correction); in the tensor's dtype here
+        count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True).to(tensor.dtype)
+        correction = count / (count - 1)
+        correction = torch.where(count > 1, correction, torch.full_like(correction, float("nan")))
+        variance *= correction
+        std = torch.sqrt(variance)
+        if not keepdim:
+            std = std.squeeze(dim) if dim is not None else std.squeeze()
+        return std
+
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    K = rewards_per_func.shape[1]
+    grouped = rewards_per_func.view(-1, num_generations, K)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = (
+        nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+    )
+    reward_k = (grouped - mean_k) / (std_k + 1e-4)
+    reward_k = reward_k.view(-1, K)
+    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    std_rewards = (
+        nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    )
+    advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_gdpo_advantages_equal_trls(G):
+    g = torch.Generator().manual_seed(5)
+    comps = torch.rand(24, 3, generator=g, dtype=torch.float64)
+    comps[:, 1] *= 10  # a function that spreads far more than the others
+    comps[2, 0] = comps[9, 2] = comps[9, 1] = math.nan  # some functions gave no value
+    comps[17] = math.nan  # no function scored this one
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    ids = torch.arange(24 // G).repeat_interleave(G)
+    got = gdpo_advantages(comps, weights, ids)
+    want = trl_gdpo_advantages(comps.clone(), weights, G)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert got[17] == 0
+
+
+def test_gdpo_hand_example_and_its_invariants():
+    """One group of two, f1 = (1, 0), f2 = (5, 5): f1 normalises to ±0.5 / (√0.5 + 1e-4) = ±a,
+    f2 (no spread) to 0; summed ±a, then over the batch ±a / (a√2 + 1e-4). A row without a
+    reward gets 0 and leaves the statistics alone; an episode's rows count once."""
+    comps = torch.tensor([[1.0, 5.0], [0.0, 5.0]], dtype=torch.float64)
+    w = torch.ones(2, dtype=torch.float64)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    want = a / (a * math.sqrt(2) + 1e-4)
+    got = gdpo_advantages(comps, w, torch.tensor([0, 0]))
+    torch.testing.assert_close(
+        got, torch.tensor([want, -want], dtype=torch.float64), rtol=0, atol=1e-12
+    )
+    more = torch.cat([comps, torch.tensor([[9.0, 9.0]], dtype=torch.float64)])
+    got = gdpo_advantages(more, w, torch.tensor([0, 0, 0]), torch.tensor([True, True, False]))
+    torch.testing.assert_close(
+        got, torch.tensor([want, -want, 0.0], dtype=torch.float64), rtol=0, atol=1e-12
+    )
+    # the second episode has two turn rows: the same as one row each
+    turns = torch.cat([comps, comps[1:]])
+    got = gdpo_advantages(turns, w, torch.tensor([0, 0, 0]), episode_ids=torch.tensor([0, 1, 1]))
+    torch.testing.assert_close(
+        got, torch.tensor([want, -want, -want], dtype=torch.float64), rtol=0, atol=1e-12
+    )
+    with pytest.raises(ValueError, match=r"reward_weights has shape \(3,\); expected \(2,\)"):
+        gdpo_advantages(comps, torch.ones(3, dtype=torch.float64), torch.tensor([0, 0]))
