@@ -46,6 +46,8 @@ AGGREGATION = {
     "grpo": "seq_mean_token_mean",
     "bnpo": "token_mean",
     "dapo": "token_mean",
+    "cispo": "token_mean",
+    "sapo": "seq_mean_token_mean",
 }
 
 #: Every `loss_type` TRL 1.16 accepts.
@@ -53,20 +55,7 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
 
 #: Fields with nothing to carry them here, and why (one comment line each).
 NOT_CARRIED = {
-    "delta": "two-sided clipping is not yet here (model.dual_clip is dual-clip PPO)",
-    "importance_sampling_level": "sequence-level ratios (GSPO) are not yet here",
-    "min_p": "not yet passed to the engines",
-    "repetition_penalty": "not yet passed to the engines",
-    "generation_kwargs": "not yet passed to the engines",
-    "chat_template_kwargs": "not yet passed to the chat template",
-    "model_init_kwargs": "not yet: the policy loads in fp32 (trainer.precision sets the step's)",
-    "sync_ref_model": "not yet",
-    "ref_model_mixup_alpha": "not yet (sync_ref_model)",
-    "ref_model_sync_steps": "not yet (sync_ref_model)",
-    "top_entropy_quantile": "not yet",
-    "use_adaptive_entropy": "not yet",
-    "off_policy_mask_threshold": "not yet",
-    "multi_objective_aggregation": "not yet: rewards are summed, weighted",
+    "use_adaptive_entropy": "not yet (a fixed model.entropy_coef is)",
     "lr_scheduler_type": "give model.lr_scheduler (a schedule factory)",
     "warmup_ratio": "give model.lr_scheduler (a schedule factory)",
     "warmup_steps": "give model.lr_scheduler (a schedule factory)",
@@ -82,8 +71,11 @@ IGNORED = {
     "report_to", "push_to_hub", "hub_model_id", "logging_dir", "remove_unused_columns",
     "overwrite_output_dir", "do_train", "do_eval", "run_name", "disable_dropout",
     "shuffle_dataset", "save_strategy", "eval_strategy", "logging_strategy", "use_cpu",
-    "torch_dtype", "dtype", "attn_implementation", "model_revision",
+    "model_revision",
 }  # fmt: skip
+
+#: TRL's `loss_type` → `model.loss_mode` where it is not the clipped surrogate.
+LOSS_MODE = {"cispo": "cispo", "sapo": "sapo"}
 
 
 def _get(trl: dict[str, Any], key: str) -> Any:
@@ -133,10 +125,13 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "max_tokens": int(take("max_completion_length")),
         "seed": seed,
     }
-    for key, default in (("top_p", 1.0), ("top_k", 0)):
+    for key, default in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
         used.add(key)
         if trl.get(key) not in (None, default):
-            notes.append(f"{key}: {trl[key]} — training rollouts sample the full distribution here")
+            sampling[key] = trl[key]
+    used.add("generation_kwargs")
+    if trl.get("generation_kwargs"):
+        sampling["generation_kwargs"] = dict(trl["generation_kwargs"])
     loss_type = str(take("loss_type"))
     if loss_type not in TRL_LOSS_TYPES:
         raise ValueError(f"loss_type {loss_type!r} is not TRL's; expected one of {TRL_LOSS_TYPES}")
@@ -144,12 +139,18 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if aggregation is None:
         notes.append(f"loss_type: {loss_type} — not yet here; converted as dapo (token_mean)")
         aggregation = "token_mean"
+    used.add("multi_objective_aggregation")
+    objectives = str(trl.get("multi_objective_aggregation") or "sum_then_normalize")
     scale = take("scale_rewards")
     scale = {True: "group", False: "none"}.get(scale, scale)
     heads: list[dict[str, Any]] = [
         {
             "class_path": "composer_lightning.heads.dr_grpo.DrGRPOHead",
-            "init_args": {"weight": 1.0, "scale_rewards": str(scale)},
+            "init_args": {
+                "weight": 1.0,
+                "scale_rewards": str(scale),
+                "multi_objective_aggregation": objectives,
+            },
         }
     ]
     beta = float(take("beta"))
@@ -187,6 +188,14 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "activation_checkpointing": bool(trl.get("gradient_checkpointing", False)),
     }
     used.update({"epsilon_high", "num_iterations", "entropy_coef", "gradient_checkpointing"})
+    model.update(_surrogate(trl, used, notes, loss_type, model["clip_high"]))
+    init_kwargs = dict(trl.get("model_init_kwargs") or {})
+    for key, name in (("dtype", "dtype"), ("torch_dtype", "dtype"), ("attn_implementation",) * 2):
+        if trl.get(key) not in (None, "auto"):
+            init_kwargs.setdefault(name, trl[key])
+    used.update({"model_init_kwargs", "dtype", "torch_dtype", "attn_implementation"})
+    if init_kwargs:
+        model["model_init_kwargs"] = init_kwargs
     if loss_type == "dr_grpo":
         model["norm_length"] = sampling["max_tokens"]  # TRL divides by max_completion_length
     if trl.get("use_peft"):
@@ -263,6 +272,9 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if trl.get("max_prompt_length"):
         data["init_args"]["max_prompt_length"] = int(trl["max_prompt_length"])
     used.add("max_prompt_length")
+    if trl.get("chat_template_kwargs"):
+        data["init_args"]["chat_template_kwargs"] = dict(trl["chat_template_kwargs"])
+    used.add("chat_template_kwargs")
     trainer: dict[str, Any] = {
         "accelerator": "cpu" if trl.get("use_cpu") else "auto",
         "max_steps": int(trl.get("max_steps") or -1),
@@ -306,6 +318,64 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "data": data,
     }  # fmt: skip
     return config, notes
+
+
+def _surrogate(
+    trl: dict[str, Any], used: set[str], notes: list[str], loss_type: str, clip_high: float
+) -> dict[str, Any]:
+    """The `model:` options of TRL's surrogate fields: CISPO and SAPO, GSPO's sequence ratio,
+    `delta`, the token masks and the synced reference."""
+    out: dict[str, Any] = {}
+    used.update(
+        {
+            "importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+            "top_entropy_quantile", "off_policy_mask_threshold", "sync_ref_model",
+            "ref_model_mixup_alpha", "ref_model_sync_steps",
+        }
+    )  # fmt: skip
+    if loss_type in LOSS_MODE:
+        out["loss_mode"] = LOSS_MODE[loss_type]
+    if loss_type == "cispo":  # TRL's epsilon_high is CISPO's cap on the weight itself
+        cap = float(trl.get("epsilon_high") or trl.get("epsilon") or TRL_DEFAULTS["epsilon"])
+        if cap <= 1:
+            raise ValueError(
+                f"loss_type cispo caps each token's weight at epsilon_high = {cap}, at or below "
+                "1 (TRL's default is epsilon); give epsilon_high > 1 (ScaleRL: 5.0)"
+            )
+        out["clip_high"] = cap - 1
+    if loss_type == "sapo":
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if trl.get(key) is not None:
+                out[key] = float(trl[key])
+    level = trl.get("importance_sampling_level") or "token"
+    if level not in ("token", "sequence"):
+        raise ValueError(
+            f"importance_sampling_level {level!r} is not TRL's; expected 'token' or 'sequence'"
+        )
+    if level != "token":
+        out["importance_sampling_level"] = level
+    if trl.get("delta") is not None:
+        delta = float(trl["delta"])
+        if delta > 1 + clip_high and loss_type not in LOSS_MODE:
+            out["dual_clip"] = delta  # the same loss and gradient (functional.policy_loss)
+        else:
+            notes.append(
+                f"delta: {delta} — carried as model.dual_clip only above 1 + epsilon_high = "
+                f"{1 + clip_high} with a clipped loss_type, where the two are the same"
+            )
+    if trl.get("top_entropy_quantile") not in (None, 1.0):
+        out["top_entropy_quantile"] = float(trl["top_entropy_quantile"])
+    if trl.get("off_policy_mask_threshold") is not None:
+        out["off_policy_mask_threshold"] = float(trl["off_policy_mask_threshold"])
+    if trl.get("sync_ref_model"):
+        if not float(trl.get("beta") or 0.0):
+            raise ValueError(
+                "sync_ref_model: true with beta = 0 has no reference to sync (TRL refuses it "
+                "too): give beta > 0 or drop sync_ref_model"
+            )
+        out["ref_model_sync_steps"] = int(trl.get("ref_model_sync_steps") or 512)
+        out["ref_model_mixup_alpha"] = float(trl.get("ref_model_mixup_alpha") or 0.6)
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -99,8 +99,19 @@ use_cpu: true
 bf16: false
 log_completions: true
 min_p: 0.1
+top_k: 20
+repetition_penalty: 1.1
+generation_kwargs: {{no_repeat_ngram_size: 3}}
+chat_template_kwargs: {{enable_thinking: false}}
+attn_implementation: eager
 sync_ref_model: true
+ref_model_sync_steps: 2
 importance_sampling_level: sequence
+delta: 1.5
+top_entropy_quantile: 0.5
+off_policy_mask_threshold: 0.4
+multi_objective_aggregation: normalize_then_sum
+use_adaptive_entropy: true
 report_to: none
 """
 
@@ -123,9 +134,7 @@ def test_a_trl_config_converts_and_validates(tmp_path):
     out = run_cli("from-trl", str(trl))
     assert out.returncode == 0, out.stderr
     notes = [line for line in out.stdout.splitlines() if line.startswith("# not carried: ")]
-    assert [n.split(":")[1].strip() for n in notes] == [
-        "min_p", "sync_ref_model", "importance_sampling_level",
-    ]  # fmt: skip
+    assert [n.split(":")[1].strip() for n in notes] == ["use_adaptive_entropy"]
     import yaml
 
     config = yaml.safe_load(out.stdout)
@@ -133,8 +142,14 @@ def test_a_trl_config_converts_and_validates(tmp_path):
     assert config["data"]["init_args"]["prompts_per_step"] == 4  # 8 × 2 completions / G = 4
     assert (model["minibatches"], model["micro_batch_size"], model["ppo_epochs"]) == (1, 8, 2)
     assert (model["aggregation"], model["norm_length"]) == ("token_sum_norm", 16)
-    assert (model["clip_low"], model["clip_high"]) == (0.2, 0.28)
+    assert (model["clip_low"], model["clip_high"], model["dual_clip"]) == (0.2, 0.28, 1.5)
+    assert model["importance_sampling_level"] == "sequence"
+    assert (model["top_entropy_quantile"], model["off_policy_mask_threshold"]) == (0.5, 0.4)
+    assert (model["ref_model_sync_steps"], model["ref_model_mixup_alpha"]) == (2, 0.6)
+    assert model["model_init_kwargs"] == {"attn_implementation": "eager"}
+    assert config["data"]["init_args"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert model["heads"][0]["init_args"]["scale_rewards"] == "none"
+    assert model["heads"][0]["init_args"]["multi_objective_aggregation"] == "normalize_then_sum"
     assert model["heads"][1]["init_args"] == {
         "kl_coef": 0.04,
         "estimator": "k3",
@@ -142,7 +157,8 @@ def test_a_trl_config_converts_and_validates(tmp_path):
     }
     assert model["optimizer"]["init_args"] == {"lr": 1e-5}
     assert rollout["group_size"] == 4 and rollout["sampling"] == {
-        "temperature": 0.9, "max_tokens": 16, "seed": 7,
+        "temperature": 0.9, "max_tokens": 16, "seed": 7, "top_k": 20, "min_p": 0.1,
+        "repetition_penalty": 1.1, "generation_kwargs": {"no_repeat_ngram_size": 3},
     }  # fmt: skip
     assert rollout["score"]["init_args"] == {
         "fn": ["tests.test_from_trl.reward_len"],
@@ -156,12 +172,33 @@ def test_a_trl_config_converts_and_validates(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("loss_type", "extra", "want"),
+    [
+        ("cispo", "epsilon_high: 5.0\n", {"loss_mode": "cispo", "aggregation": "token_mean", "clip_high": 4.0}),
+        ("sapo", "sapo_temperature_neg: 2.0\n", {"loss_mode": "sapo", "aggregation": "seq_mean_token_mean", "sapo_temperature_neg": 2.0}),
+    ],
+)  # fmt: skip
+def test_cispo_and_sapo_convert_to_their_loss_modes(tmp_path, loss_type, extra, want):
+    import yaml
+
+    from composer_lightning.from_trl import convert
+
+    trl = yaml.safe_load(f"model_name_or_path: m\ndataset_name: d\nloss_type: {loss_type}\n{extra}")
+    config, notes = convert(trl)
+    assert notes[:1] == [] or "loss_type" not in notes[0]
+    assert {k: config["model"][k] for k in want} == want
+
+
+@pytest.mark.parametrize(
     ("fields", "message"),
     [
         ("dataset_name: x.jsonl\n", "needs model_name_or_path"),
         ("model_name_or_path: m\n", "needs dataset_name"),
         ("model_name_or_path: m\ndataset_name: d\nloss_type: ppo\n", "loss_type 'ppo' is not TRL's; expected one of"),
         ("model_name_or_path: m\ndataset_name: d\nnum_generations: 3\n", "must be whole groups of num_generations = 3"),
+        ("model_name_or_path: m\ndataset_name: d\nloss_type: cispo\n", "loss_type cispo caps each token's weight at epsilon_high = 0.2"),
+        ("model_name_or_path: m\ndataset_name: d\nimportance_sampling_level: seq\n", "importance_sampling_level 'seq' is not TRL's"),
+        ("model_name_or_path: m\ndataset_name: d\nsync_ref_model: true\n", "sync_ref_model: true with beta = 0"),
     ],
 )  # fmt: skip
 def test_bad_trl_configs_are_one_line_naming_the_field(tmp_path, fields, message):
