@@ -192,6 +192,12 @@ def test_checkpoint_restores_the_rng_states():
             "'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'token_sum_norm']. Got value: sum",
         ),
         ("--model.mixing=both", "Literal['advantage', 'loss']. Got value: both"),
+        ("--model.loss_mode=gspo", "Literal['clip', 'cispo', 'sapo']. Got value: gspo"),
+        (
+            "--model.importance_sampling_level=seq",
+            "Literal['token', 'sequence', 'sequence_token']. Got value: seq",
+        ),
+        ("--model.loss_mode=cispo --model.dual_clip=3", "loss_mode='cispo' has none"),
         ("--model.dual_clip=0.5", "dual_clip"),
         (
             "--model.variance_matching=dr_grpo --model.grad_norm_matching=sdpo",

@@ -1,7 +1,8 @@
 """The rollout-engine contract: sampling settings, completions, and the `RolloutEngine` protocol.
 
 Engines take prompt **token ids** and return sampled token ids with the log-prob of each
-sampled token under the *sampling* distribution (logits / temperature, after top-k/top-p), so
+sampled token under the *sampling* distribution (logits / temperature, after penalties, min-p
+and top-k/top-p), so
 the trainer can compare them to its own log-probs (the canary, see DESIGN.md).
 """
 
