@@ -15,6 +15,9 @@ makes one optimizer step per `gradient_accumulation_steps` micro-batches; here a
 `data.prompts_per_step × rollout.group_size` completions per rank, trained in
 `model.minibatches` optimizer steps of micro-batches of `model.micro_batch_size` rows, repeated
 `model.ppo_epochs` (TRL's `num_iterations`) times.
+
+Why this file is long: it is the table of docs/from_trl.md as code, one place for each of the
+≈ 90 fields a TRL config can hold, so that a field's conversion is found beside its neighbours.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
 
 #: Fields with nothing to carry them here, and why (one comment line each).
 NOT_CARRIED = {
-    "use_adaptive_entropy": "not yet (a fixed model.entropy_coef is)",
     "lr_scheduler_type": "give model.lr_scheduler (a schedule factory)",
     "warmup_ratio": "give model.lr_scheduler (a schedule factory)",
     "warmup_steps": "give model.lr_scheduler (a schedule factory)",
@@ -367,6 +369,21 @@ def _surrogate(
         out["top_entropy_quantile"] = float(trl["top_entropy_quantile"])
     if trl.get("off_policy_mask_threshold") is not None:
         out["off_policy_mask_threshold"] = float(trl["off_policy_mask_threshold"])
+    used.update(
+        {"use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+         "entropy_coef_max"}
+    )  # fmt: skip
+    if trl.get("use_adaptive_entropy"):
+        settings = {}
+        for key, name in (
+            ("entropy_target", "target"),
+            ("entropy_coef_delta", "delta"),
+            ("entropy_coef_min", "coef_min"),
+            ("entropy_coef_max", "coef_max"),
+        ):
+            if trl.get(key) is not None:
+                settings[name] = float(trl[key])
+        out["adaptive_entropy"] = settings
     if trl.get("sync_ref_model"):
         if not float(trl.get("beta") or 0.0):
             raise ValueError(

@@ -44,6 +44,7 @@ def test_every_option_path_on_the_page_exists():
     from composer_lightning.heads.dr_grpo import DrGRPOHead
     from composer_lightning.heads.kl import KLHead
     from composer_lightning.rollout.callback import RolloutCallback
+    from composer_lightning.training.entropy import AdaptiveEntropy
     from composer_lightning.training.module import ComposerModule
 
     owners = {
@@ -54,6 +55,7 @@ def test_every_option_path_on_the_page_exists():
         "data": RolloutDataModule,
         "dr_grpo": DrGRPOHead,
         "kl": KLHead,
+        "model.adaptive_entropy": AdaptiveEntropy,
     }
     paths = re.findall(r"`((?:model|rollout|data|dr_grpo|kl)(?:\.\w+)+)`", PAGE.read_text())
     assert len(paths) > 30
@@ -112,6 +114,8 @@ top_entropy_quantile: 0.5
 off_policy_mask_threshold: 0.4
 multi_objective_aggregation: normalize_then_sum
 use_adaptive_entropy: true
+entropy_target: 0.5
+vespo_k_pos: 2.0
 report_to: none
 """
 
@@ -134,7 +138,7 @@ def test_a_trl_config_converts_and_validates(tmp_path):
     out = run_cli("from-trl", str(trl))
     assert out.returncode == 0, out.stderr
     notes = [line for line in out.stdout.splitlines() if line.startswith("# not carried: ")]
-    assert [n.split(":")[1].strip() for n in notes] == ["use_adaptive_entropy"]
+    assert [n.split(":")[1].strip() for n in notes] == ["vespo_k_pos"]
     import yaml
 
     config = yaml.safe_load(out.stdout)
@@ -147,6 +151,7 @@ def test_a_trl_config_converts_and_validates(tmp_path):
     assert (model["top_entropy_quantile"], model["off_policy_mask_threshold"]) == (0.5, 0.4)
     assert (model["ref_model_sync_steps"], model["ref_model_mixup_alpha"]) == (2, 0.6)
     assert model["model_init_kwargs"] == {"attn_implementation": "eager"}
+    assert model["adaptive_entropy"] == {"target": 0.5}
     assert config["data"]["init_args"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert model["heads"][0]["init_args"]["scale_rewards"] == "none"
     assert model["heads"][0]["init_args"]["multi_objective_aggregation"] == "normalize_then_sum"

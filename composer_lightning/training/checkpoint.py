@@ -196,6 +196,8 @@ class CheckpointHooks:
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["composer"] = save_state(self.policy_version, self.heads)  # a collective
+        if self.objective.entropy_control is not None:  # the same on every rank
+            checkpoint["composer"]["entropy_control"] = self.objective.entropy_control.state_dict()
         if self.policy_path is not None:  # config and tokenizer: `export` needs nothing else
             if self._policy_files is None:
                 self._policy_files = read_model_files(self.policy_path)
@@ -225,6 +227,9 @@ class CheckpointHooks:
         found.report()
         keep_frozen(checkpoint, ("reference",) if self.reference_sync.enabled else ())
         state = checkpoint.get("composer", {})
+        control = self.objective.entropy_control
+        if control is not None and "entropy_control" in state:
+            control.load_state_dict(state["entropy_control"])
         self.policy_version, self._restored_rng = load_state(
             state, self.heads, self.allow_head_changes
         )

@@ -8,7 +8,7 @@ Its checkpoint hooks are `checkpoint.CheckpointHooks`; the step's forwards, targ
 micro-batches and objective each have a module of their own (`training/__init__.py`).
 
 Why this file is long: `ComposerModule` is the class a run configures as `model:`, and its
-thirty-nine options are documented on it (≈ 110 lines, what `--help` shows).
+forty options are documented on it (≈ 115 lines, what `--help` shows).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from composer_lightning.training.checkpoint import (
     CheckpointHooks,
     check_loop_settings,
 )
+from composer_lightning.training.entropy import AdaptiveEntropy
 from composer_lightning.training.forward import Forwards, TokenScores, step_context
 from composer_lightning.training.microbatch import MicroBatching, Plan
 from composer_lightning.training.microbatch import plans as plan_micro_batches
@@ -162,6 +163,9 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             synced reference is then saved in checkpoints. 0 (default): a fixed reference.
             Refused without a head that reads the reference, and with LoRA.
         ref_model_mixup_alpha: the policy's share of each sync, in (0, 1].
+        adaptive_entropy: the entropy bonus's coefficient follows the entropy (Skywork-OR1;
+            TRL's `use_adaptive_entropy`): `{target, delta, coef_min, coef_max}`, starting from
+            `entropy_coef`; saved in checkpoints (`training/entropy.py`). None: fixed.
         model_init_kwargs: `from_pretrained` options of the policy, reference and teacher
             loads (TRL's `model_init_kwargs`), e.g. `{attn_implementation: eager}` or `{dtype:
             bfloat16}` (default fp32; the trainer's `precision` is the usual way to train in
@@ -213,6 +217,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         ref_model_sync_steps: int = 0,
         ref_model_mixup_alpha: float = 0.6,
         model_init_kwargs: dict[str, Any] | None = None,
+        adaptive_entropy: AdaptiveEntropy | None = None,
         allow_head_changes: bool = False,
     ):
         super().__init__()
@@ -240,6 +245,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             sapo_temperature_neg=sapo_temperature_neg,
             top_entropy_quantile=top_entropy_quantile,
             off_policy_mask_threshold=off_policy_mask_threshold,
+            adaptive_entropy=adaptive_entropy,
         )
         n = grad_share_every_n_steps
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -457,6 +463,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             if sched is not None:  # one step axis: the schedule counts optimizer steps too
                 sched.step()
             self.reference_sync.after_step(self.global_step, self.policy, self.reference)
+            self.objective.end_step()  # the adaptive entropy controller's update
             for k, v in metrics.items():
                 history[k].append(float(v))
         step_metrics.update(canary.local(), kind="max")  # reduced already: equal on every rank

@@ -13,6 +13,10 @@ clipped surrogate of its own weighted term `w_i · A_i` alone for an advantage h
 `mixing="advantage"` their gradients sum to the mixed surrogate's wherever no clip binds (ratio
 in the clip range: always on the first update of an on-policy batch, where it is 1), since the
 surrogate is then linear in A. The entropy bonus is not a head and is in no piece.
+
+Why this file is long: `Objective` is the public seam of the loss, and its eighteen options
+(the surrogate's, the mixing's, the entropy bonus's) are documented on it, as `ComposerModule`
+passes them through.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from composer_lightning.heads.base import TEACHER_SIGNALS, Head, HeadOutput
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import StepContext
 from composer_lightning.runtime.distributed import StepMetrics, agree, world
+from composer_lightning.training.entropy import AdaptiveEntropy, EntropyControl
 from composer_lightning.training.mixer import (
     AdvantageTerm,
     grad_norm_scales,
@@ -89,6 +94,8 @@ class Objective:
         top_entropy_quantile: the surrogate keeps only the response tokens in the top share of
             entropy over the minibatch of every rank (`functional.high_entropy_mask`); 1 (default):
             every token. The entropy bonus then acts on the same tokens.
+        adaptive_entropy: Skywork-OR1's controller of the entropy bonus's coefficient
+            (`training/entropy.py`), starting from `entropy_coef`; None: a fixed coefficient.
         off_policy_mask_threshold: drop negative-advantage tokens of responses whose mean
             `log μ − log π` exceeds it, μ the engine's log-probs when the batch has them, else
             π_old (`functional.off_policy_sequence_mask`); None: no mask.
@@ -115,6 +122,7 @@ class Objective:
         sapo_temperature_neg: float = 1.05,
         top_entropy_quantile: float = 1.0,
         off_policy_mask_threshold: float | None = None,
+        adaptive_entropy: AdaptiveEntropy | None = None,
     ):
         self.heads = _check_heads(heads)
         check_surrogate(
@@ -130,6 +138,10 @@ class Objective:
         self.sapo_temperatures = (float(sapo_temperature_pos), float(sapo_temperature_neg))
         self.top_entropy_quantile = float(top_entropy_quantile)
         self.off_policy_mask_threshold = off_policy_mask_threshold
+        self.entropy_control = (
+            None if adaptive_entropy is None else EntropyControl(adaptive_entropy, entropy_coef)
+        )
+        self._entropy_window: tuple[float, float] = (0.0, 0.0)
         if not 0 < clip_low < 1:
             raise ValueError(f"clip_low must be in (0, 1), got {clip_low}")
         if not clip_high > 0:
@@ -170,7 +182,11 @@ class Objective:
     def requirements(self, weights: dict[str, float]) -> set[str]:
         """What the heads with a non-zero weight read from the step context."""
         needs = set().union(*(h.requires for h in self.heads if weights[h.name] > 0))
-        reads_entropy = self.entropy_coef > 0 or self.top_entropy_quantile < 1
+        reads_entropy = (
+            self.entropy_coef > 0
+            or self.top_entropy_quantile < 1
+            or self.entropy_control is not None
+        )
         return needs | ({"entropy"} if reads_entropy else set())
 
     def reads_teacher(self) -> bool:
@@ -264,12 +280,30 @@ class Objective:
             metrics["entropy"] = masked_aggregate(
                 ctx.entropy.detach(), batch.response_mask, "token_mean"
             )
-            if self.entropy_coef > 0:
+            control = self.entropy_control
+            coef = self.entropy_coef if control is None else control.applied()
+            if coef > 0 or control is not None:
                 if self.top_entropy_quantile < 1:  # the bonus acts on the tokens trained
                     bonus_tokens = entropy_tokens(ctx, batch, self.top_entropy_quantile)
-                total = total - self.entropy_coef * ctx.aggregate(ctx.entropy, bonus_tokens)
+                total = total - coef * ctx.aggregate(ctx.entropy, bonus_tokens)
+            if control is not None:  # measured for the controller's update (`end_step`)
+                held = ctx.entropy.detach()[bonus_tokens]
+                self._entropy_window = (float(held.sum()), float(held.numel()))
+                metrics["entropy_coef"] = coef
         metrics["train/loss"] = total.detach()
         return total, metrics
+
+    def end_step(self) -> None:
+        """After an optimizer step: the adaptive entropy controller's update from the mean
+        entropy of the bonus tokens over every rank (a collective when adaptive entropy is on:
+        every rank calls it after every step)."""
+        if self.entropy_control is None:
+            return
+        local = StepMetrics()
+        local.sum("sum", self._entropy_window[0])
+        local.sum("count", self._entropy_window[1])
+        reduced = agree(local)
+        self.entropy_control.update(reduced["sum"] / max(reduced["count"], 1.0))
 
     def pieces(
         self,
