@@ -11,6 +11,7 @@ as pass 1's leaves, FSDP2's LM head stood in for by a copy: `accumulate.py`).
 `tests/scale/test_grad_share.py` compares with one process.
 """
 
+import gc
 import socket
 import sys
 
@@ -44,9 +45,18 @@ def batch(rank: int):
 
 
 def _rank(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _measure(rank, out)
+    # the sharded modules and the collectives' work they hold, freed while Python fully runs
+    # (at interpreter exit gloo's threads can abort: "terminate called without an active
+    # exception"), then the group
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, out: str) -> None:
     from composer_lightning.models.sharding import shard_fsdp2
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     b, saved = batch(rank), {}
     for name, kwargs in (("plain", {}), ("matched", {"grad_norm_matching": "dr_grpo"})):
@@ -64,7 +74,6 @@ def _rank(rank: int, port: int, out: str) -> None:
             saved[f"{name}_{measure}"] = {"metrics": metrics, "grads": grads}
     saved["micro_True"] = _micro(b, mesh)
     torch.save(saved, f"{out}.rank{rank}")
-    dist.destroy_process_group()
 
 
 def _micro(b, mesh) -> dict:
