@@ -270,9 +270,11 @@ class Objective:
             if out.loss is not None:
                 total = total + effective[name] * out.loss
         terms = [t._replace(weight=effective[t.name]) for t in terms]
-        bonus_tokens = batch.response_mask
+        # the high-entropy tokens, once (a collective): the surrogate and the bonus share them
+        kept = self._entropy_kept(ctx, batch)
+        bonus_tokens = batch.response_mask if kept is None else kept
         if terms:
-            pg, pg_metrics = self.surrogate(ctx, batch, terms)
+            pg, pg_metrics = self.surrogate(ctx, batch, terms, kept)
             metrics.update({f"ppo/{k}": v for k, v in pg_metrics.items()})
             metrics["ppo/loss"] = pg.detach()
             total = total + pg
@@ -282,9 +284,7 @@ class Objective:
             )
             control = self.entropy_control
             coef = self.entropy_coef if control is None else control.applied()
-            if coef > 0 or control is not None:
-                if self.top_entropy_quantile < 1:  # the bonus acts on the tokens trained
-                    bonus_tokens = entropy_tokens(ctx, batch, self.top_entropy_quantile)
+            if coef > 0 or control is not None:  # on the tokens the surrogate trains
                 total = total - coef * ctx.aggregate(ctx.entropy, bonus_tokens)
             if control is not None:  # measured for the controller's update (`end_step`)
                 held = ctx.entropy.detach()[bonus_tokens]
@@ -354,15 +354,25 @@ class Objective:
             dtype=torch.float64,
         ) / (size * size)
 
+    def _entropy_kept(self, ctx: StepContext, batch: RolloutBatch) -> Tensor | None:
+        """`[B, T]` bool, the tokens `top_entropy_quantile` keeps (a collective); None: all."""
+        if self.top_entropy_quantile == 1:
+            return None
+        return entropy_tokens(ctx, batch, self.top_entropy_quantile)
+
     def _surrogate_options(
-        self, ctx: StepContext, batch: RolloutBatch
+        self, ctx: StepContext, batch: RolloutBatch, kept: Tensor | None = None
     ) -> tuple[dict, dict[str, Tensor]]:
-        """`policy_loss`'s options for this minibatch, and the importance weights' metrics."""
+        """`policy_loss`'s options for this minibatch, and the importance weights' metrics;
+        `kept`: the high-entropy tokens when the caller has them already."""
         weights, is_metrics = self.importance_weights(ctx, batch)
-        if self.top_entropy_quantile < 1:
-            kept = entropy_tokens(ctx, batch, self.top_entropy_quantile).to(ctx.logprobs.dtype)
+        if kept is None:
+            kept = self._entropy_kept(ctx, batch)
+        if kept is not None:
+            share = kept_share(kept, batch.response_mask)
+            kept = kept.to(ctx.logprobs.dtype)
             weights = kept if weights is None else weights * kept
-            is_metrics = is_metrics | {"entropy_kept": kept_share(kept, batch.response_mask)}
+            is_metrics = is_metrics | {"entropy_kept": share}
         kw = dict(
             clip_low=self.clip_low,
             clip_high=self.clip_high,
@@ -377,10 +387,15 @@ class Objective:
         return kw, is_metrics
 
     def surrogate(
-        self, ctx: StepContext, batch: RolloutBatch, terms: list[AdvantageTerm]
+        self,
+        ctx: StepContext,
+        batch: RolloutBatch,
+        terms: list[AdvantageTerm],
+        kept: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The clipped surrogate of the weighted advantage terms, per `mixing`."""
-        kw, is_metrics = self._surrogate_options(ctx, batch)
+        """The clipped surrogate of the weighted advantage terms, per `mixing`; `kept`: the
+        high-entropy tokens when the caller has them already."""
+        kw, is_metrics = self._surrogate_options(ctx, batch, kept)
         scaled = [t.weight * t.advantages for t in terms]
         mixed = torch.stack(scaled).sum(0)  # [B, T]
         if self.off_policy_mask_threshold is not None:
