@@ -3,6 +3,7 @@
     python bench/ablation.py [--quick] [--seeds 0 1 2] [--steps 50] [--jobs 2]
         [--tasks carry subtract multiply tool] [--variants rl_only combine ...]
         [--weights sdpo=1.0 opd=0.5] [--sdpo-clip-mode scale] [--head-args opd.gap_clip=1.0]
+        [--fit-arg=--rollout.max_staleness=2 ...]
 
 Every run of a suite task is `python -m composer_lightning fit --config configs/tiny_cpu.yaml`
 (the tiny offline policy, vLLM on CPU, G = 4, 8 prompts per step, AdamW 1e-4) with only the
@@ -202,7 +203,7 @@ def run(task: str, variant: str, seed: int, steps: int, cfg: dict, out: str) -> 
         f"--rollout.engine.init_args.seed={seed}", f"--data.init_args.seed={seed}",
         "--rollout.samples_every_n_steps=0", "--trainer.enable_checkpointing=false",
         "--trainer.callbacks=[]", f"--trainer.default_root_dir={out}",
-        f"--trainer.logger.init_args.save_dir={out}",
+        f"--trainer.logger.init_args.save_dir={out}", *cfg.get("fit_args", []),
     ]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(
@@ -375,6 +376,11 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=3, help="hints per sample for top-k OPD")
     ap.add_argument("--png", default=str(ROOT / "docs" / "ablation.png"))
     ap.add_argument("--json", default=None, help="also write every run's curves here")
+    ap.add_argument(
+        "--fit-arg", action="append", default=[], metavar="--KEY=VALUE",
+        help="one more override of every run's fit (repeatable), e.g. "
+        "--fit-arg=--rollout.max_staleness=2",
+    )  # fmt: skip
     args = ap.parse_args()
     overrides = key_values(args.weights, "--weights")
     for head in overrides:
@@ -397,7 +403,12 @@ def main() -> None:
             head_args["sdpo"]["clip_mode"] = args.sdpo_clip_mode
         for head, arg, value in arg_overrides:
             head_args[head][arg] = value
-        cfg[task] = {"weights": weights, "head_args": head_args, "candidates": args.candidates}
+        cfg[task] = {
+            "weights": weights,
+            "head_args": head_args,
+            "candidates": args.candidates,
+            "fit_args": list(args.fit_arg),
+        }
     variants = {t: args.variants or TASKS[t].variants for t in args.tasks}
     for task in args.tasks:
         if not TASKS[task].hints_candidates and any(

@@ -105,13 +105,14 @@ SMOKES = {
         ),
         writes=("hint_signal.json",),
     ),
-    # one timed step per configuration: an instant and a 50 ms tool, calls in turn and 2 at once
+    # one timed step per configuration: an instant and a 50 ms tool, calls in turn, 2 at once,
+    # and episodes generated one batch ahead
     "episodes": Smoke(
         "episodes.py",
-        "--delays 0 0.05 --workers 1 2 --steps 1",
+        "--delays 0 0.05 --runs 1:0 2:0 2:1 --steps 1",
         tuple(
-            rf"^\| {w} \| {d} \| {POS} \| \d+ \| {POS} \| {NUM}x \|$"
-            for w in (1, 2)
+            rf"^\| {w} \| {k} \| {d} \| {POS} \| \d+ \| {POS} \| {NUM}x \|$"
+            for w, k in ((1, 0), (2, 0), (2, 1))
             for d in ("0", "0.05")
         ),
     ),

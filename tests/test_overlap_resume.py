@@ -17,11 +17,20 @@ import yaml
 from tests.test_cli import ROOT
 
 STEPS = 8
-_WHOLE: dict[int, dict] = {}  # k → the uninterrupted run's last checkpoint
+_WHOLE: dict[tuple[int, bool], dict] = {}  # (k, episodes) → the uninterrupted run's last checkpoint
 
 
-def _config(tmp_path, k: int) -> str:
+def _config(tmp_path, k: int, episodes: bool = False) -> str:
+    """The HF-engine config; with `episodes`, the tool agent's (multi-turn tool episodes) on
+    the HF engine."""
     config = yaml.safe_load(open(ROOT / "configs" / "tiny_cpu_hf.yaml"))
+    if episodes:
+        tool = yaml.safe_load(open(ROOT / "configs" / "tool_agent_cpu.yaml"))
+        tool["rollout"]["init_args"]["engine"] = config["rollout"]["init_args"]["engine"]
+        tool["rollout"]["init_args"]["samples_every_n_steps"] = 0
+        tool["trainer"]["val_check_interval"] = STEPS
+        tool["trainer"]["limit_val_batches"] = 0
+        config = tool
     config["trainer"]["max_steps"] = STEPS
     config["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
     config["rollout"]["init_args"]["max_staleness"] = k
@@ -31,10 +40,10 @@ def _config(tmp_path, k: int) -> str:
     return str(path)
 
 
-def _run(root, k: int, *extra) -> subprocess.CompletedProcess:
+def _run(root, k: int, *extra, episodes: bool = False) -> subprocess.CompletedProcess:
     args = [
         "--config",
-        _config(root, k),
+        _config(root, k, episodes),
         f"--trainer.default_root_dir={root}",
         f"--trainer.logger.init_args.save_dir={root}",
     ]
@@ -58,13 +67,13 @@ def _last_path(root) -> str:
     return last
 
 
-def _whole(tmp_path_factory, k: int) -> dict:
-    if k not in _WHOLE:
-        root = tmp_path_factory.mktemp(f"whole{k}")
-        run = _run(root, k)
+def _whole(tmp_path_factory, k: int, episodes: bool = False) -> dict:
+    if (k, episodes) not in _WHOLE:
+        root = tmp_path_factory.mktemp(f"whole{k}{'e' if episodes else ''}")
+        run = _run(root, k, episodes=episodes)
         assert run.returncode == 0, run.stderr[-3000:]
-        _WHOLE[k] = _last(root)
-    return _WHOLE[k]
+        _WHOLE[(k, episodes)] = _last(root)
+    return _WHOLE[(k, episodes)]
 
 
 def _pending(checkpoint: dict) -> dict:
@@ -93,21 +102,27 @@ def test_kill_9_and_resume_equals_the_uninterrupted_run_with_overlap(tmp_path, t
     _same_weights(_whole(tmp_path_factory, 2), _last(tmp_path))
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_sigterm_saves_the_pending_batches_and_resumes_exactly(k, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize(
+    ("k", "episodes"), [(1, False), (2, False), (2, True)], ids=["k1", "k2", "k2-episodes"]
+)
+def test_sigterm_saves_the_pending_batches_and_resumes_exactly(
+    k, episodes, tmp_path, tmp_path_factory
+):
     """SIGTERM at step 5 stops after it with `last.ckpt`: the batches generated ahead (6 …
-    5 + k) are in it, so the resumed run is the uninterrupted one, bit for bit."""
+    5 + k) are in it, so the resumed run is the uninterrupted one, bit for bit. With
+    `episodes`, the tool agent's multi-turn episodes, kept whole."""
     term = '{"class_path": "tests.helpers.SignalAt", "init_args": {"step": 5}}'
-    stopped = _run(tmp_path, k, f"--trainer.callbacks+={term}")
+    stopped = _run(tmp_path, k, f"--trainer.callbacks+={term}", episodes=episodes)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     at_stop = _last(tmp_path)
     assert at_stop["global_step"] == 6
     pending = _pending(at_stop)
     assert sorted(pending) == list(range(6, 6 + k))
     assert [pending[i][0] for i in sorted(pending)] == [i - k for i in range(6, 6 + k)]
-    resumed = _run(tmp_path, k, f"--ckpt_path={_last_path(tmp_path)}")
+    assert all(isinstance(pending[i][1], dict) is episodes for i in pending)
+    resumed = _run(tmp_path, k, f"--ckpt_path={_last_path(tmp_path)}", episodes=episodes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _same_weights(_whole(tmp_path_factory, k), _last(tmp_path))
+    _same_weights(_whole(tmp_path_factory, k, episodes), _last(tmp_path))
 
 
 def test_a_resume_without_pending_batches_generates_at_the_version_it_starts_from(tmp_path):

@@ -32,6 +32,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Hashable, Iterable
@@ -193,6 +194,9 @@ class BackgroundEngine:
         self.published: int | None = None  # the newest published version
         self.first_published: int | None = None  # the oldest this process published
         self._calls = 0
+        # Episodes generated ahead take their turns' results from threads of their own while
+        # held-out evaluation takes its own: one reader of the queue at a time.
+        self._reading = threading.Lock()
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -250,34 +254,44 @@ class BackgroundEngine:
     ) -> None:
         """Queue a generation at `version` under `key`, to be taken with `take(key)`; the
         child refuses a version that was not published in it."""
-        self._requests.put(("generate", key, prompts, n, sampling, version))
+        requests = self._requests
+        if requests is None:
+            raise RuntimeError(f"the background engine was closed (asked for {key!r})")
+        requests.put(("generate", key, prompts, n, sampling, version))
 
     def take(self, key: Hashable) -> Generated:
         """Wait for request `key`; returns its version, completions, generation seconds and the
-        engine's fingerprint of that version."""
+        engine's fingerprint of that version. Safe from several threads: each takes its own
+        key, whichever of them reads it off the queue."""
         waited = 0.0
-        while key not in self._done:
-            try:
-                got, version, outs, seconds, fingerprint = self._results.get(timeout=1.0)
-            except queue.Empty:
-                waited += 1.0
-                if not self._process.is_alive():
-                    raise RuntimeError(
-                        f"the background engine process died (exit code {self._process.exitcode})"
-                    ) from None
-                if self.timeout is not None and waited >= self.timeout:
-                    self.close()
-                    raise EngineTimeout(
-                        f"the background engine returned no batch in {self.timeout:g} s "
-                        f"(waiting for {key!r}): it hangs; stopped it (raise the rollout "
-                        "callback's engine_timeout if generation is that slow)"
-                    ) from None
-                continue
-            if got == "error":
-                raise RuntimeError(f"the background engine failed:\n{outs}")
-            self._done[got] = (version, outs, seconds, fingerprint)
-        self._asked.discard(key)
-        return self._done.pop(key)
+        while True:
+            with self._reading:
+                if key in self._done:
+                    self._asked.discard(key)
+                    return self._done.pop(key)
+                if self._results is None:
+                    raise RuntimeError(f"the background engine was closed (waiting for {key!r})")
+                try:
+                    got, version, outs, seconds, fingerprint = self._results.get(timeout=0.2)
+                except queue.Empty:
+                    got = None
+                if got == "error":
+                    raise RuntimeError(f"the background engine failed:\n{outs}")
+                if got is not None:
+                    self._done[got] = (version, outs, seconds, fingerprint)
+                    continue
+            waited += 0.2
+            if not self._process.is_alive():
+                raise RuntimeError(
+                    f"the background engine process died (exit code {self._process.exitcode})"
+                )
+            if self.timeout is not None and waited >= self.timeout:
+                self.close()
+                raise EngineTimeout(
+                    f"the background engine returned no batch in {self.timeout:g} s "
+                    f"(waiting for {key!r}): it hangs; stopped it (raise the rollout "
+                    "callback's engine_timeout if generation is that slow)"
+                )
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig
@@ -316,12 +330,14 @@ class BackgroundEngine:
             if self._process.is_alive():  # busy generating: nothing of it is wanted any more
                 self._process.kill()
                 self._process.join(timeout=5)
-        if self._requests is None:
-            return
-        for q in (self._requests, self._results):
-            q.close()
-            q.cancel_join_thread()  # a request the child never read must not hold up exit
-        # Dropped, so that their named semaphores (/dev/shm/sem.mp-*) are unlinked: at once, or
-        # for the requests' write lock and counter, when its feeder thread has flushed and exited.
-        self._requests = self._results = None
-        self.ring = []
+        with self._reading:  # a thread taking a result finishes its read first
+            if self._requests is None:
+                return
+            for q in (self._requests, self._results):
+                q.close()
+                q.cancel_join_thread()  # a request the child never read must not hold up exit
+            # Dropped, so that their named semaphores (/dev/shm/sem.mp-*) are unlinked: at once,
+            # or for the requests' write lock and counter, when its feeder thread has flushed
+            # and exited.
+            self._requests = self._results = None
+            self.ring = []

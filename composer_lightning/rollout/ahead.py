@@ -8,11 +8,23 @@ the canary's trainer side recomputes that version's log-probs on a few rows
 rank's own), so a resumed run is the uninterrupted one; a resume without them regenerates them
 at the version it starts from. Seeds are those of the on-policy loop, so only the weights that
 generate a batch differ.
+
+Multi-turn episodes (`max_turns > 1`) are generated ahead whole: batch m + k's episodes, every
+turn and every environment call, run on a thread of this process while the trainer updates on
+batch m, each turn's engine call sent to the engine process at the batch's version m − k. So
+every turn of an episode keeps the version that sampled it (the batch's: the importance
+correction and the canary are per token, as for a single turn), and the same seeds as on
+policy. The k + 1 batches in flight run side by side (a thread each), so a slow environment's
+waits overlap the update and each other; the tokenizer is shared by those threads and the
+trainer's (encoding and decoding only, never its settings).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +40,7 @@ from composer_lightning.engines.base import (
 )
 from composer_lightning.engines.fingerprint import Fingerprint
 from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.rollout.episodes import Episode, episode_from_state, episode_state
 from composer_lightning.rollout.generation import sampling_seed
 from composer_lightning.runtime.distributed import world
 from composer_lightning.training.canary import version_logprobs
@@ -46,6 +59,9 @@ class GenerationAhead:
         self.engine: BackgroundEngine | None = None
         self._restored: dict[int, Any] = {}  # batches generated ahead, from a checkpoint
         self._stopped: dict[int, Any] | None = None  # pending batches of a stopped engine
+        self._pool: ThreadPoolExecutor | None = None  # episode batches in flight, a thread each
+        self._running: dict[int, Future] = {}
+        self._episodes: dict[int, Any] = {}  # episode batches generated, not yet taken
 
     def start(
         self,
@@ -67,15 +83,30 @@ class GenerationAhead:
         self.engine.restore_state(self._restored)
 
     def pending(self) -> dict[int, Any] | None:
-        """The batches generated ahead and not yet trained on (waits for them): the running
-        engine's, else those kept when it stopped; None when none ran."""
-        return self._stopped if self.engine is None else self.engine.pending_state()
+        """The batches generated ahead and not yet trained on (waits for them), as plain data:
+        the running engine's, else those kept when it stopped; None when none ran."""
+        if self.engine is None:
+            return self._stopped
+        for index in sorted(self._running):
+            self._episodes[index] = self._running.pop(index).result()
+        state = self.engine.pending_state()
+        for index, (version, episodes, seconds, fingerprint) in self._episodes.items():
+            plain = {"episodes": [[episode_state(ep) for ep in group] for group in episodes]}
+            state[index] = (version, plain, seconds, fingerprint)
+        return state
 
     def restore(self, batches: dict[int, Any]) -> None:
         """Hold a checkpoint's batches generated ahead (given to the engine when it starts)."""
-        self._restored = batches
+        single = {}
+        for index, (version, payload, seconds, *rest) in batches.items():
+            if isinstance(payload, dict):  # a batch of episodes
+                episodes = [[episode_from_state(e) for e in group] for group in payload["episodes"]]
+                self._episodes[int(index)] = (version, episodes, seconds, rest[0] if rest else None)
+            else:
+                single[index] = (version, payload, seconds, *rest)
+        self._restored = single
         if self.engine is not None:
-            self.engine.restore_state(batches)
+            self.engine.restore_state(single)
 
     def close(self, keep_pending: bool = False) -> None:
         """Stop the engine's process; `keep_pending` first keeps its batches for a checkpoint
@@ -83,9 +114,13 @@ class GenerationAhead:
         if self.engine is None:
             return
         if keep_pending:
-            self._stopped = self.engine.pending_state()
-        self.engine.close()
-        self.engine = None
+            self._stopped = self.pending()
+        engine, self.engine = self.engine, None
+        engine.close()  # episode threads still waiting on it fail, and nobody takes them
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._running.clear()
 
     def generate(
         self,
@@ -104,6 +139,83 @@ class GenerationAhead:
             seed = sampling_seed(base_seed, index, rank, size, 1, len(prompts), group_size)
             self.engine.ask(index, prompts, group_size, replace(sampling, seed=seed))
         return self.engine.take(step)
+
+    def episodes(
+        self,
+        batch_of: Callable[[int], tuple[list[dict[str, Any]], list[list[int]]]],
+        run: Callable[..., list[list[Episode]]],
+        step: int,
+        sampling: SamplingConfig,
+        base_seed: int,
+        group_size: int,
+        max_turns: int,
+    ) -> tuple[int, list[list[Episode]], float, Fingerprint | None]:
+        """Batch `step`'s episodes (its version, episodes, seconds from its start to its end,
+        and the engine's fingerprint of that version), after starting `step + 1 … step + k`.
+
+        Args:
+            batch_of: batch i's problems and their opening ids.
+            run: `(generate, problems, prompt_ids, n, sampling) -> episodes`, the episode loop.
+            max_turns: turns per episode at most (each turn samples a seed range of its own).
+        """
+        assert self.engine is not None, "start the engine first"
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.k + 1, "composer-episodes")
+        rank, size = world()
+        for index in range(step, step + self.k + 1):
+            if index in self._running or index in self._episodes:
+                continue
+            version = self.engine.version_of(index)
+            if self.engine.published is None or version > self.engine.published:
+                raise RuntimeError(
+                    f"batch {index} needs version {version}, but the newest published is "
+                    f"{self.engine.published}"
+                )
+            problems, prompts = batch_of(index)
+            turns = len(prompts) * max_turns  # as on policy: a seed range per turn
+            seed = sampling_seed(base_seed, index, rank, size, 1, turns, group_size)
+            self._running[index] = self._pool.submit(
+                self._episodes_at,
+                index,
+                version,
+                run,
+                problems,
+                prompts,
+                group_size,
+                replace(sampling, seed=seed),
+            )
+        if step in self._running:
+            self._episodes[step] = self._running.pop(step).result()
+        return self._episodes.pop(step)
+
+    def _episodes_at(
+        self,
+        index: int,
+        version: int,
+        run: Callable[..., list[list[Episode]]],
+        problems: list[dict[str, Any]],
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+    ) -> tuple[int, list[list[Episode]], float, Fingerprint | None]:
+        """One batch's episodes, every engine call of its turns at `version` (a thread's)."""
+        engine = self.engine
+        assert engine is not None
+        calls = itertools.count()
+        prints: list[Fingerprint | None] = [None]
+
+        def generate(
+            prompts: list[list[int]], n: int, sampling: SamplingConfig
+        ) -> list[list[Completion]]:
+            key = ("episodes", index, next(calls))
+            engine.request(key, prompts, n, sampling, version)
+            got, outs, _, prints[0] = engine.take(key)
+            assert got == version
+            return outs
+
+        start = time.perf_counter()
+        episodes = run(generate, problems, prompts, n, sampling)
+        return version, episodes, time.perf_counter() - start, prints[0]
 
     def behavior_logprobs(self, pl_module: L.LightningModule, rollout: RolloutBatch) -> None:
         """The canary's trainer side of a stale batch: its first rows' log-probs at the

@@ -406,7 +406,26 @@ class RolloutCallback(L.Callback):
         check_episode_room(where, self.episodes.max_episode_tokens)
         if self._context is not None:
             check_prompt_lengths(where, sampling.max_tokens, self._context)
-        if self._ahead.engine is not None:
+        if self._ahead.engine is not None and self.episodes.max_turns > 1:
+
+            def batch_of(i: int) -> tuple[list[dict[str, Any]], list[list[int]]]:
+                other = batch if i == step else dm.prompt_batch(i)
+                return other["problems"], other["prompt_ids"]
+
+            def run(generate, problems, prompt_ids, n, sampling) -> list:  # type: ignore[no-untyped-def]
+                return self.episodes.run(generate, dm, problems, prompt_ids, n, sampling)
+
+            version, episodes, gen_time, engine_print = self._ahead.episodes(
+                batch_of,
+                run,
+                step,
+                sampling,
+                self._base_seed,
+                self.group_size,
+                self.episodes.max_turns,
+            )
+            metrics.max("rollout/wait_time", time.perf_counter() - start)
+        elif self._ahead.engine is not None:
             version, outs, gen_time, engine_print = self._ahead.generate(
                 lambda i: batch["prompt_ids"] if i == step else dm.prompt_batch(i)["prompt_ids"],
                 step,

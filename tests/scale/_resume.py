@@ -1,13 +1,15 @@
 """Two FSDP2 ranks on the real rollout path, checkpointed every 2 steps; every rank saves what
 it ended with (tests/scale/test_resume.py).
 
-    MAX_STALENESS=k python tests/scale/_resume.py {whole|killed|resumed|tp2} OUT [CKPT]
+    MAX_STALENESS=k EPISODES=0|1 python tests/scale/_resume.py {whole|killed|resumed|tp2} OUT [CKPT]
 
 `whole` runs STEPS steps; `killed` is the same run, SIGKILLed with all its ranks at the start of
 step KILL_AT (after the step-2 checkpoint); `resumed` resumes from CKPT and runs to STEPS.
 `tp2` asks for tensor_parallel_size=2: each rank writes its one-line error to OUT.rank<r>.err
 and exits with status 3. With MAX_STALENESS=k > 0 every rank generates k batches ahead in an
-engine process of its own. Start it in a new session: `killed` kills its process group (both
+engine process of its own. With EPISODES=1 the rollouts are
+the tool task's episodes of up to 3 turns (the tiny tool policy), generated ahead whole with k >
+0. Start it in a new session: `killed` kills its process group (both
 ranks; Lightning starts rank 1 as a child of rank 0), so no rank is left waiting in a
 collective.
 
@@ -33,13 +35,14 @@ from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
-from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.models.tiny import tiny_policy_path, tiny_tool_policy_path
 from composer_lightning.rollout.callback import RolloutCallback
-from composer_lightning.tasks import VerifierHint
+from composer_lightning.tasks import ToolErrorHint, VerifierHint
 from composer_lightning.training.module import ComposerModule
 
 STEPS, KILL_AT = 4, 3
 MAX_STALENESS = int(os.environ.get("MAX_STALENESS", "0"))  # generation ahead by this many
+EPISODES = os.environ.get("EPISODES", "0") == "1"  # the tool task's multi-turn episodes
 # the weights saved are those after the step's update, which is what resuming needs
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
@@ -82,10 +85,11 @@ def main(kind: str, out: str, ckpt: str | None) -> None:
         RolloutCallback(
             HFEngine(seed=0),
             group_size=4,
-            sampling=SamplingConfig(max_tokens=6, seed=0),
-            hint=VerifierHint(),
+            sampling=SamplingConfig(max_tokens=32 if EPISODES else 6, seed=0),
+            hint=ToolErrorHint() if EPISODES else VerifierHint(),
             samples_every_n_steps=0,
             max_staleness=MAX_STALENESS,
+            **({"max_turns": 3, "max_episode_tokens": 192} if EPISODES else {}),
         ),
         record,
         ModelCheckpoint(
@@ -98,7 +102,7 @@ def main(kind: str, out: str, ckpt: str | None) -> None:
     if kind == "killed":
         callbacks.append(KillAll(KILL_AT))
     module = ComposerModule(
-        tiny_policy_path(),
+        tiny_tool_policy_path() if EPISODES else tiny_policy_path(),
         [
             DrGRPOHead(),
             OPDHead(weight=0.5),
@@ -123,7 +127,8 @@ def main(kind: str, out: str, ckpt: str | None) -> None:
         callbacks=callbacks,
     )
     try:
-        trainer.fit(module, RolloutDataModule(prompts_per_step=2), ckpt_path=ckpt)
+        data = RolloutDataModule(task="tool_calc" if EPISODES else "arithmetic", prompts_per_step=2)
+        trainer.fit(module, data, ckpt_path=ckpt)
     except Exception as exc:  # noqa: BLE001 - recorded for the test, then a non-zero exit
         with open(f"{out}.rank{trainer.global_rank}.err", "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")

@@ -20,11 +20,12 @@ from tests.test_cli import ROOT
 SCRIPT = str(ROOT / "tests" / "scale" / "_resume.py")
 
 
-def _run(kind: str, root, *extra: str, k: int = 0) -> tuple[int, str]:
+def _run(kind: str, root, *extra: str, k: int = 0, episodes: bool = False) -> tuple[int, str]:
     """Run `_resume.py` in its own session; afterwards no process of that session is left (its
     engine processes included)."""
     root.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MAX_STALENESS=str(k))
+    env["EPISODES"] = str(int(episodes))
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, kind, str(root / "out.pt"), *extra],
         cwd=root,
@@ -52,13 +53,16 @@ def _equal_buffers(a: list[dict], b: list[dict]) -> bool:
     )
 
 
-@pytest.mark.parametrize("k", [0, 1])
-def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, tmp_path):
+@pytest.mark.parametrize(
+    ("k", "episodes"), [(0, False), (1, False), (1, True)], ids=["k0", "k1", "k1-episodes"]
+)
+def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, episodes, tmp_path):
     """k = 1: each rank generates one batch ahead in its own engine process; batches 1 … 4 are
     one version stale, checked by the canary at their version (through FSDP2's forward), and
     the batch generated ahead is in each rank's checkpoint. The KL head's sharded reference
-    is not in the checkpoint (rebuilt from the configuration), which holds the policy alone."""
-    rc, err = _run("whole", tmp_path / "whole", k=k)
+    is not in the checkpoint (rebuilt from the configuration), which holds the policy alone.
+    With `episodes`, the tool task's multi-turn episodes, generated ahead whole on each rank."""
+    rc, err = _run("whole", tmp_path / "whole", k=k, episodes=episodes)
     assert rc == 0, err[-3000:]
     whole = _ranks(tmp_path / "whole")
     for rank in whole:
@@ -68,7 +72,7 @@ def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, tmp_pat
     assert not _equal_buffers(whole[0]["buffer"], whole[1]["buffer"])  # else this proves nothing
     assert whole[0]["buffer"] and whole[1]["buffer"]
 
-    rc, err = _run("killed", tmp_path / "killed", k=k)
+    rc, err = _run("killed", tmp_path / "killed", k=k, episodes=episodes)
     assert rc == -signal.SIGKILL, err[-3000:]
     ckpt = tmp_path / "killed" / "checkpoints" / "step=2.ckpt"
     assert ckpt.is_dir() and not (tmp_path / "killed" / "checkpoints" / "step=4.ckpt").exists()
@@ -76,7 +80,7 @@ def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, tmp_pat
     weights = [key for key in stored if key.startswith("state_dict.")]
     assert weights and all(key.startswith("state_dict.policy.") for key in weights)
 
-    rc, err = _run("resumed", tmp_path / "resumed", str(ckpt), k=k)
+    rc, err = _run("resumed", tmp_path / "resumed", str(ckpt), k=k, episodes=episodes)
     assert rc == 0, err[-3000:]
     resumed = _ranks(tmp_path / "resumed")
     for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
