@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import AutoTokenizer
 
 from composer_lightning.chat import render_ids
 from composer_lightning.chat.tool_calls import (
+    FORMATS,
     ToolCall,
+    calls_as_text,
     find_tool_calls,
     for_template,
+    format_of_template,
     parse_tool_calls,
+    resolve_format,
     same_reply,
     split_reply,
     with_calls_as_text,
 )
 from composer_lightning.models.tiny import tiny_tool_policy_path
+from composer_lightning.rollout.episodes import run_episodes
 
 ADD = {"name": "add", "arguments": {"a": 12, "b": 30}}
 
@@ -116,3 +122,76 @@ def test_tools_go_into_the_system_message_where_the_template_does_not_render_the
     assert for_template(own, plain, [spec])[0]["content"].startswith("Be brief.\n\n")
     tools_tok = AutoTokenizer.from_pretrained(tiny_tool_policy_path())  # renders them itself
     assert for_template(chat, tools_tok, [spec]) == chat
+
+
+def test_a_format_by_name_reads_only_its_own_calls_and_writes_them_back_alike() -> None:
+    texts = {
+        "hermes": f"<tool_call>{json.dumps(ADD)}</tool_call>",
+        "mistral": f"[TOOL_CALLS]{json.dumps([ADD])}",
+        "llama3_json": json.dumps({"name": "add", "parameters": ADD["arguments"]}),
+    }
+    for fmt in ("hermes", "mistral", "llama3_json"):
+        for other, text in texts.items():
+            calls = split_reply(text, fmt=fmt)[1]
+            assert [c.name for c in calls] == (["add"] if other == fmt else []), (fmt, other)
+        two = [ToolCall("a", "add", {"a": 1}), ToolCall("b", "mul", {"x": 2})]
+        for calls in (two, two[:1]):
+            written = calls_as_text(calls, fmt)
+            back = split_reply(written, fmt=fmt)[1]
+            assert [(c.name, c.arguments) for c in back] == [(c.name, c.arguments) for c in calls]
+    assert FORMATS[0] == "auto" and all(split_reply(t)[1] for t in texts.values())
+
+
+def test_the_template_names_its_format() -> None:
+    class Tok:
+        def __init__(self, template):
+            self.chat_template = template
+
+    qwen = "{%- for tool in tools %}...<tool_call>\n{{ tool_call | tojson }}\n</tool_call>"
+    mistral = "{%- if message.tool_calls %}[TOOL_CALLS][{%- for tool in message.tool_calls %}"
+    llama = "{%- if message.role == 'ipython' %}<|python_tag|>{{ message.content }}"
+    chatml = "{% for message in messages %}<|im_start|>{{ message.role }}..."
+    got = [format_of_template(Tok(t)) for t in (qwen, mistral, llama, chatml, None)]
+    assert got == ["hermes", "mistral", "llama3_json", "auto", "auto"]
+    assert resolve_format("template", Tok(qwen)) == "hermes"
+    assert resolve_format("mistral", Tok(qwen)) == "mistral"
+    with pytest.raises(ValueError, match="unknown tool-call format 'json'"):
+        resolve_format("json")
+
+
+def test_the_episode_loop_gives_a_template_format_environment_its_templates_format() -> None:
+    """An environment with tool_call_format="template" reads the calls in the format of the
+    tokenizer's template (here one that writes Hermes blocks): a Llama-style JSON reply is then
+    its final answer, not a call."""
+    from composer_lightning.engines.base import Completion, SamplingConfig
+    from composer_lightning.envs import PythonToolEnv
+
+    def add(a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: a.
+            b: b.
+        """
+        return a + b
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tool_policy_path())
+    tokenizer.chat_template += "{# calls are written <tool_call>{...}</tool_call> #}"
+    reply = json.dumps({"name": "add", "parameters": {"a": 1, "b": 2}})
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+
+    def generate(prompts, n, sampling):
+        return [[Completion(ids, [0.0] * len(ids), "stop", reply)] * n for _ in prompts]
+
+    envs = []
+
+    def environment(problem):
+        envs.append(PythonToolEnv([add], tool_call_format="template"))
+        return envs[-1]
+
+    problem = {"messages": [{"role": "user", "content": "1 + 2?"}]}
+    (episodes,) = run_episodes(
+        generate, [problem], [[1]], environment, tokenizer, SamplingConfig(max_tokens=8), 1, 3
+    )
+    assert envs[0].tool_call_format == format_of_template(tokenizer) == "hermes"
+    assert len(episodes[0].turns) == 1 and episodes[0].status == "done"

@@ -11,6 +11,13 @@ A reply's calls are read from, in this order:
 The text outside the calls is the reply's content. A call whose JSON does not give a name and an
 arguments object is still a call, with `error` saying why: one bad call is the model's lesson (a
 tool error), not a crashed batch or a 500.
+
+Which formats count is a choice (`tool_call_format`): `"auto"` reads all three in the order
+above; `"hermes"`, `"mistral"` or `"llama3_json"` reads that one only (a Hermes-tuned model's
+stray JSON reply is then its answer, not a call); `"template"` takes the format the tokenizer's
+chat template writes (`format_of_template`: `<tool_call>` → hermes, `[TOOL_CALLS]` → mistral,
+Llama 3's `<|python_tag|>` / `ipython` → llama3_json; a template that shows none → auto). Calls
+written back into a reply's text (`with_calls_as_text`) take the same format.
 """
 
 from __future__ import annotations
@@ -45,15 +52,51 @@ class ToolCall:
         }
 
 
-def find_tool_calls(text: str) -> tuple[str, list[str]]:
-    """The text outside a reply's calls, and each call's raw JSON, in order.
+#: the formats a reply's calls may be read in (see the module docstring)
+FORMATS = ("auto", "hermes", "mistral", "llama3_json")
+
+
+def check_format(fmt: str, owner: str = "tool_call_format") -> str:
+    """`fmt` when it names a format (or `"template"`), else a ValueError naming it."""
+    if fmt not in (*FORMATS, "template"):
+        raise ValueError(
+            f"{owner}: unknown tool-call format {fmt!r}; expected one of "
+            f"{', '.join(repr(f) for f in (*FORMATS, 'template'))}"
+        )
+    return fmt
+
+
+def format_of_template(tokenizer: Any) -> str:
+    """The format the tokenizer's chat template writes calls in; "auto" when it shows none."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    if HERMES_OPEN in template:
+        return "hermes"
+    if MISTRAL_MARK in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "auto"
+
+
+def resolve_format(fmt: str, tokenizer: Any = None) -> str:
+    """`fmt`, with `"template"` read off `tokenizer`'s chat template (`format_of_template`)."""
+    check_format(fmt)
+    return format_of_template(tokenizer) if fmt == "template" else fmt
+
+
+def find_tool_calls(text: str, fmt: str = "auto") -> tuple[str, list[str]]:
+    """The text outside a reply's calls, and each call's raw JSON, in order, read in format
+    `fmt` (one of `FORMATS`).
 
     Only complete calls count: a `<tool_call>` without its close is left in the text (a
     reply cut by `max_tokens`)."""
-    bodies = _HERMES.findall(text)
-    if bodies:
-        return _HERMES.sub("", text), [b.strip() for b in bodies]
-    if MISTRAL_MARK in text:
+    if fmt not in FORMATS:
+        raise ValueError(f"find_tool_calls: fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt in ("auto", "hermes"):
+        bodies = _HERMES.findall(text)
+        if bodies:
+            return _HERMES.sub("", text), [b.strip() for b in bodies]
+    if fmt in ("auto", "mistral") and MISTRAL_MARK in text:
         before, _, after = text.partition(MISTRAL_MARK)
         try:
             calls = json.loads(after)
@@ -62,7 +105,7 @@ def find_tool_calls(text: str) -> tuple[str, list[str]]:
         calls = calls if isinstance(calls, list) else [calls]
         return before, [json.dumps(c) for c in calls]
     stripped = text.strip()
-    if stripped[:1] in ("{", "["):
+    if fmt in ("auto", "llama3_json") and stripped[:1] in ("{", "["):
         try:
             value = json.loads(stripped)
         except json.JSONDecodeError:
@@ -82,12 +125,13 @@ def _looks_like_call(value: Any) -> bool:
     )
 
 
-def parse_tool_calls(message: Message, turn: int = 0) -> list[ToolCall]:
+def parse_tool_calls(message: Message, turn: int = 0, fmt: str = "auto") -> list[ToolCall]:
     """The tool calls of an assistant message (see the module docstring for the formats).
 
     Args:
         message: `{"role": "assistant", "content": text}`, optionally with `tool_calls`.
         turn: the turn's index, for the ids of calls parsed from text (`call_<turn>_<i>`).
+        fmt: the format of calls in the text (`FORMATS`).
 
     Returns:
         One `ToolCall` per call; a call whose JSON does not give a name and an arguments
@@ -98,14 +142,14 @@ def parse_tool_calls(message: Message, turn: int = 0) -> list[ToolCall]:
             _tool_call(call.get("id") or f"call_{turn}_{i}", call.get("function", call))
             for i, call in enumerate(message["tool_calls"])
         ]
-    _, bodies = find_tool_calls(message_text(message.get("content")))
+    _, bodies = find_tool_calls(message_text(message.get("content")), fmt)
     return [_tool_call(f"call_{turn}_{i}", body) for i, body in enumerate(bodies)]
 
 
-def split_reply(text: str, turn: int = 0) -> tuple[str, list[ToolCall]]:
+def split_reply(text: str, turn: int = 0, fmt: str = "auto") -> tuple[str, list[ToolCall]]:
     """A generated reply as OpenAI returns it: its content (the text outside the calls,
-    stripped) and its calls."""
-    outside, bodies = find_tool_calls(text)
+    stripped) and its calls, read in format `fmt`."""
+    outside, bodies = find_tool_calls(text, fmt)
     return outside.strip(), [_tool_call(f"call_{turn}_{i}", b) for i, b in enumerate(bodies)]
 
 
@@ -142,14 +186,14 @@ def same_messages(a: list[Message], b: list[Message]) -> bool:
     )
 
 
-def same_reply(message: Message, reply_text: str) -> bool:
+def same_reply(message: Message, reply_text: str, fmt: str = "auto") -> bool:
     """Whether an assistant message (text, or OpenAI `tool_calls`) is `reply_text` as the model
     wrote it: the same text outside the calls and the same calls (names and arguments), however
     the client re-serialised them."""
-    sent = parse_tool_calls(message)
-    text, written = split_reply(reply_text)
+    sent = parse_tool_calls(message, fmt=fmt)
+    text, written = split_reply(reply_text, fmt=fmt)
     ours = (text, [(c.name, c.arguments) for c in written])
-    outside = find_tool_calls(message_text(message.get("content")))[0].strip()
+    outside = find_tool_calls(message_text(message.get("content")), fmt)[0].strip()
     return ours == (outside, [(c.name, c.arguments) for c in sent])
 
 
@@ -158,16 +202,25 @@ def template_renders_tool_calls(tokenizer: Any) -> bool:
     return "tool_calls" in str(getattr(tokenizer, "chat_template", None) or "")
 
 
-def with_calls_as_text(messages: list[Message]) -> list[Message]:
-    """`messages` with each assistant message's OpenAI `tool_calls` written into its content as
-    Hermes blocks (for a chat template that renders only `content`); others unchanged."""
+def calls_as_text(calls: list[ToolCall], fmt: str = "hermes") -> str:
+    """`calls` written as a model writes them in format `fmt` (Hermes blocks for "auto")."""
+    objects = [{"name": c.name, "arguments": c.arguments} for c in calls]
+    if fmt == "mistral":
+        return f"{MISTRAL_MARK}{json.dumps(objects)}"
+    if fmt == "llama3_json":
+        flat = [{"name": o["name"], "parameters": o["arguments"]} for o in objects]
+        return json.dumps(flat[0] if len(flat) == 1 else flat)
+    return "".join(f"{HERMES_OPEN}{json.dumps(o)}{HERMES_CLOSE}" for o in objects)
+
+
+def with_calls_as_text(messages: list[Message], fmt: str = "hermes") -> list[Message]:
+    """`messages` with each assistant message's OpenAI `tool_calls` written into its content
+    in format `fmt` (`calls_as_text`, for a chat template that renders only `content`); others
+    unchanged."""
     out = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            blocks = "".join(
-                f"{HERMES_OPEN}{json.dumps({'name': c.name, 'arguments': c.arguments})}{HERMES_CLOSE}"
-                for c in parse_tool_calls(m)
-            )
+            blocks = calls_as_text(parse_tool_calls(m), fmt)
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = message_text(m.get("content")) + blocks
         out.append(m)
@@ -203,18 +256,21 @@ def with_tools_in_system(messages: list[Message], tools: list[dict[str, Any]]) -
 
 
 def for_template(
-    messages: list[Message], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+    messages: list[Message],
+    tokenizer: Any,
+    tools: list[dict[str, Any]] | None = None,
+    fmt: str = "hermes",
 ) -> list[Message]:
     """`messages` as the tokenizer's template can render them: OpenAI `tool_calls` kept (their
     arguments as objects, as templates expect) where the template renders them, else written
-    into the content (`with_calls_as_text`); `tools` described in the system message where the
-    template does not render them (`with_tools_in_system`)."""
+    into the content in format `fmt` (`with_calls_as_text`); `tools` described in the system
+    message where the template does not render them (`with_tools_in_system`)."""
     if tools and not template_renders_tools(tokenizer):
         messages = with_tools_in_system(messages, tools)
     if not any(m.get("tool_calls") for m in messages):
         return messages
     if not template_renders_tool_calls(tokenizer):
-        return with_calls_as_text(messages)
+        return with_calls_as_text(messages, fmt)
     out = []
     for m in messages:
         if m.get("tool_calls"):

@@ -2,21 +2,24 @@
 
 Each tool is a type-annotated function with a Google-style docstring; its OpenAI-style spec
 comes from `transformers.utils.get_json_schema(fn)` and is shown to the model through the chat
-template (`env.tools`). The assistant calls a tool in the Hermes / Qwen style, one call per
-message, anywhere in its text::
+template (`env.tools`). The assistant calls tools in the Hermes / Qwen style anywhere in its
+text, one or several calls in a message (parallel calls)::
 
     <tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>
 
 Calls are found by `chat.tool_calls.find_tool_calls`, the parser `serve` and the OpenEnv adapter
-share (a Mistral `[TOOL_CALLS]` list or a Llama-style JSON reply is a call too). Calls are strict: the JSON must parse to `{"name": str, "arguments": dict}`, the name must be a
+share, in the format `tool_call_format` names ("auto": Hermes blocks, a Mistral `[TOOL_CALLS]`
+list or a Llama-style JSON reply; "template": the one the chat template writes, set by the
+episode loop from the tokenizer). Calls are strict: each call's JSON must parse to
+`{"name": str, "arguments": dict}` (`"parameters"` in the Llama 3 format), the name must be a
 tool, and the arguments must bind to the function's signature with the annotated types (an int
-is not a float's stand-in for an `int`, a bool is not an int). A good call answers with the
-result as a `tool` message; any failure (malformed call, unknown tool, bad arguments, a tool
-that raises or runs past `timeout`) answers with a `tool` message holding an error that says
-what was expected, the same text in `info["tool_error"]`, and the episode goes on. A message
-without a tool call is the final answer: the episode ends with `reward=None` (the run's
-verifier scores the answer). Simplified on purpose: no parallel calls, argument types checked
-for plain types, `Optional` / unions and bare containers only.
+is not a float's stand-in for an `int`, a bool is not an int). Each call of a message is
+answered by a `tool` message of its own, in order: the result for a good call; for any failure
+(malformed call, unknown tool, bad arguments, a tool that raises or runs past `timeout`) an
+error that says what was expected, the errors also in `info["tool_error"]` (joined by
+newlines), and the episode goes on. A message without a tool call is the final answer: the
+episode ends with `reward=None` (the run's verifier scores the answer). Simplified on purpose:
+argument types checked for plain types, `Optional` / unions and bare containers only.
 """
 
 from __future__ import annotations
@@ -31,12 +34,25 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from composer_lightning.chat import problem_messages
-from composer_lightning.chat.tool_calls import HERMES_CLOSE, HERMES_OPEN, find_tool_calls
+from composer_lightning.chat.tool_calls import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    MISTRAL_MARK,
+    check_format,
+    find_tool_calls,
+)
 from composer_lightning.envs.base import Message, Observation
 from composer_lightning.runtime.calls import CallTimeout, call_with_timeout, check_timeout
 
 CALL_OPEN, CALL_CLOSE = HERMES_OPEN, HERMES_CLOSE
 CALL_FORMAT = f'{CALL_OPEN}{{"name": "<tool>", "arguments": {{...}}}}{CALL_CLOSE}'
+#: how a call is written, per format (in the errors that say what was expected)
+CALL_FORMATS = {
+    "auto": CALL_FORMAT,
+    "hermes": CALL_FORMAT,
+    "mistral": f'{MISTRAL_MARK}[{{"name": "<tool>", "arguments": {{...}}}}]',
+    "llama3_json": '{"name": "<tool>", "parameters": {...}}',
+}
 
 
 def _type_name(annotation: Any) -> str:
@@ -81,6 +97,10 @@ class PythonToolEnv:
             None: no limit (the episode loop's turn limit bounds it).
         timeout: seconds one tool call may run before it fails with "timed out" (it runs on in
             a background thread, see `runtime/calls.py`); None: no limit, in the caller's thread.
+        tool_call_format: the format calls are read in (`chat.tool_calls.FORMATS`, or
+            "template": the chat template's, which the episode loop sets).
+        parallel_calls: several calls in one message are each answered (False: such a message
+            is one tool error, "expected one call").
 
     Raises:
         ValueError: no tools, a duplicate name, a function `get_json_schema` cannot describe,
@@ -93,6 +113,8 @@ class PythonToolEnv:
         *,
         max_calls: int | None = None,
         timeout: float | None = 10.0,
+        tool_call_format: str = "auto",
+        parallel_calls: bool = True,
     ) -> None:
         if not tools:
             raise ValueError("PythonToolEnv needs at least one tool function, got none")
@@ -102,6 +124,8 @@ class PythonToolEnv:
             raise ValueError(f"PythonToolEnv: max_calls must be an integer >= 1, got {max_calls!r}")
         self.timeout = check_timeout(timeout, "PythonToolEnv")
         self.max_calls = max_calls
+        self.tool_call_format = check_format(tool_call_format, "PythonToolEnv")
+        self.parallel_calls = parallel_calls
         self.functions: dict[str, Callable[..., Any]] = {}
         self.tools: list[dict[str, Any]] = []
         for fn in tools:
@@ -128,55 +152,65 @@ class PythonToolEnv:
             raise TypeError(
                 f"step needs an assistant message {{'role', 'content': str}}, got {message!r}"
             )
-        _, bodies = find_tool_calls(content)  # chat.tool_calls: the parser serve shares
+        fmt = "auto" if self.tool_call_format == "template" else self.tool_call_format
+        _, bodies = find_tool_calls(content, fmt)  # chat.tool_calls: the parser serve shares
         if not bodies and CALL_OPEN not in content and CALL_CLOSE not in content:
             return Observation(done=True, reward=None, info={"tool_error": None})
-        self.calls += 1
-        result, error = self._run(content)
-        text = result if error is None else error
+        if not bodies or (len(bodies) > 1 and not self.parallel_calls):
+            got = "no complete call" if not bodies else f"{len(bodies)} calls"
+            answers = [("", f"Tool call error: expected one call {self._format}, got {got}.")]
+            self.calls += 1
+        else:
+            answers = [self._run(body) for body in bodies]
+            self.calls += len(bodies)
+        errors = [error for _, error in answers if error is not None]
         return Observation(
-            messages=[{"role": "tool", "content": text}],
+            messages=[
+                {"role": "tool", "content": result if error is None else error}
+                for result, error in answers
+            ],
             done=self.max_calls is not None and self.calls >= self.max_calls,
-            info={"tool_error": error, "calls": self.calls},
+            info={"tool_error": "\n".join(errors) if errors else None, "calls": self.calls},
         )
+
+    @property
+    def _format(self) -> str:
+        return CALL_FORMATS.get(self.tool_call_format, CALL_FORMAT)
 
     def _signatures(self) -> str:
         return ", ".join(signature_text(fn) for fn in self.functions.values())
 
-    def _run(self, content: str) -> tuple[str, str | None]:
-        """(result text, None) for a good call, ("", error text) otherwise."""
-        _, bodies = find_tool_calls(content)
-        if len(bodies) != 1:
-            got = "no complete call" if not bodies else f"{len(bodies)} calls"
-            return "", f"Tool call error: expected one call {CALL_FORMAT}, got {got}."
+    def _run(self, body: str) -> tuple[str, str | None]:
+        """(result text, None) for a good call's JSON `body`, ("", error text) otherwise."""
+        expected = self._format
         try:
-            call = json.loads(bodies[0])
+            call = json.loads(body)
         except json.JSONDecodeError as err:
-            return (
-                "",
-                f"Tool call error: the call is not valid JSON ({err}); expected {CALL_FORMAT}.",
-            )
+            return "", f"Tool call error: the call is not valid JSON ({err}); expected {expected}."
+        key = "parameters" if self.tool_call_format == "llama3_json" else "arguments"
+        if self.tool_call_format == "auto" and isinstance(call, dict) and "parameters" in call:
+            key = "parameters"  # a Llama-style call read by the lenient parser
         if (
             not isinstance(call, dict)
-            or set(call) != {"name", "arguments"}
-            or not isinstance(call["arguments"], dict)
+            or set(call) != {"name", key}
+            or not isinstance(call[key], dict)
         ):
             return "", (
-                f"Tool call error: expected a JSON object with keys 'name' and 'arguments' (an "
-                f"object), {CALL_FORMAT}, got {bodies[0].strip()}."
+                f"Tool call error: expected a JSON object with keys 'name' and '{key}' (an "
+                f"object), {expected}, got {body.strip()}."
             )
-        name = call["name"]
+        name, arguments = call["name"], call[key]
         fn = self.functions.get(name) if isinstance(name, str) else None
         if fn is None:
             return (
                 "",
                 f"Tool call error: unknown tool {name!r}; the tools are {self._signatures()}.",
             )
-        problem = _argument_problem(fn, call["arguments"])
+        problem = _argument_problem(fn, arguments)
         if problem is not None:
             return "", f"Tool call error: {problem}; expected {signature_text(fn)}."
         try:
-            result = call_with_timeout(fn, (), self.timeout, call["arguments"])
+            result = call_with_timeout(fn, (), self.timeout, arguments)
         except CallTimeout:
             return "", f"Tool error: {name} timed out after {self.timeout:g} s."
         except Exception as err:  # the tool's failure is the model's information

@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from composer_lightning.chat import render_ids
-from composer_lightning.chat.tool_calls import for_template
+from composer_lightning.chat.tool_calls import for_template, resolve_format
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.serve.backend import ServeBackend
 from composer_lightning.serve.protocol import (
@@ -119,6 +119,7 @@ def make_app(
     disconnect_poll_s: float = 0.1,
     train_sampling: SamplingConfig | None = None,
     launch: int = 0,
+    tool_call_format: str = "template",
 ) -> FastAPI:
     """The serving app.
 
@@ -145,6 +146,10 @@ def make_app(
             its log-probs are not those the trainer computes; None: every turn is trainable.
         launch: the start of the run serving (`TurnStore.begin_launch`), recorded with each turn
             and in its `system_fingerprint` (`serve/lineage.py`); 0: none.
+        tool_call_format: the format of the policy's calls in its replies, and of calls written
+            into a history's text for a template that does not render `tool_calls`
+            (`chat.tool_calls`): "template" (the chat template's), "auto", "hermes",
+            "mistral" or "llama3_json".
     """
     if max_request_bytes < 1 or max_n < 1 or default_max_tokens < 1:
         raise ValueError(
@@ -155,6 +160,7 @@ def make_app(
         raise ValueError(
             f"session_timeout_s must be > 0 seconds or None, got {session_timeout_s!r}"
         )
+    fmt = resolve_format(tool_call_format, backend.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -229,7 +235,7 @@ def make_app(
         # the history's OpenAI tool calls as this template renders them; stored in this form
         # (and the tools in the system message where the template does not render them)
         req = dataclasses.replace(
-            req, messages=for_template(req.messages, backend.tokenizer, req.tools)
+            req, messages=for_template(req.messages, backend.tokenizer, req.tools, fmt)
         )
         prompt_ids = _render(backend.tokenizer, req)
         sampling = _sampling(
@@ -241,7 +247,7 @@ def make_app(
                     403, f"session {req.session!r} belongs to another API key",
                     param="session_id", code="session_forbidden",
                 )  # fmt: skip
-            await run_in_threadpool(store.attach_next_state, req.session, req.messages)
+            await run_in_threadpool(store.attach_next_state, req.session, req.messages, fmt)
         generation = asyncio.ensure_future(
             run_in_threadpool(backend.generate, prompt_ids, req.n, sampling)
         )
@@ -254,7 +260,7 @@ def make_app(
         kept, choices = zip(
             *(_cut_at_stop(backend.tokenizer, c, req.stop) for c in completions), strict=True
         )
-        served = [with_tool_calls(c, bool(req.tools)) for c in choices]
+        served = [with_tool_calls(c, bool(req.tools), fmt) for c in choices]
         first = kept[0]
         untrainable = train_sampling is not None and not _trainable(sampling, train_sampling)
         if not req.side:  # a side turn (a judge's, a summary's) is served, never recorded

@@ -227,14 +227,14 @@ class Choice:
     tool_calls: list[dict[str, Any]] | None = None
 
 
-def with_tool_calls(choice: Choice, offered_tools: bool) -> Choice:
+def with_tool_calls(choice: Choice, offered_tools: bool, fmt: str = "auto") -> Choice:
     """`choice` as OpenAI returns a reply that calls tools (`chat.tool_calls.split_reply`):
     content = the text outside the calls (None when empty), `tool_calls`, finish reason
     "tool_calls". Unchanged when the request offered no tools, the reply has no call, or it
-    was cut by `max_tokens`."""
+    was cut by `max_tokens`. Calls are read in format `fmt`."""
     if not offered_tools or choice.text is None or choice.finish_reason == "length":
         return choice
-    content, calls = split_reply(choice.text)
+    content, calls = split_reply(choice.text, fmt=fmt)
     if not calls:
         return choice
     return Choice(content or None, "tool_calls", [c.openai() for c in calls])

@@ -260,13 +260,15 @@ class TurnStore:
                 return True
             return row[0] == owner
 
-    def attach_next_state(self, session: str, messages: list[dict[str, Any]]) -> int | None:
+    def attach_next_state(
+        self, session: str, messages: list[dict[str, Any]], fmt: str = "auto"
+    ) -> int | None:
         """Give the session's latest `recorded` turn that `messages` continues its next state.
 
         A turn whose context had k messages is continued by `messages` when `messages[:k]` is
         that context (same roles and texts) and `messages[k]` an assistant message with the
         turn's reply (its text, or its tool calls in OpenAI's form: `chat.tool_calls.same_reply`);
-        its next state is `messages[k + 1:]`.
+        its next state is `messages[k + 1:]`. Calls in text are read in format `fmt`.
 
         Returns:
             The id of the turn that became `ready`, or None when no recorded turn matches (a
@@ -289,7 +291,9 @@ class TurnStore:
                 if k >= len(messages) or not same_messages(context, messages[:k]):
                     continue
                 reply = messages[k]
-                if reply.get("role") != "assistant" or not same_reply(reply, row["response_text"]):
+                if reply.get("role") != "assistant" or not same_reply(
+                    reply, row["response_text"], fmt
+                ):
                     continue
                 db.execute(
                     "UPDATE turns SET state = 'ready', next_state = ?, ready_reason = 'next' "

@@ -42,6 +42,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from composer_lightning.chat.tool_calls import check_format
 from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.engines.fingerprint import FingerprintRecorder
 from composer_lightning.models.weights import iter_hf_weights
@@ -91,6 +92,8 @@ class ServeCallback(RolloutCallback):
             counts failures): it is given back and tried again after `judge_backoff_s`, doubling
             each time; after the last it is dropped ("judge_failed", counted) unless part of a
             verdict came back.
+        tool_call_format: the format of the policy's tool calls (`chat.tool_calls`):
+            "template" (the chat template's), "auto", "hermes", "mistral" or "llama3_json".
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class ServeCallback(RolloutCallback):
         poll_s: float = 0.05,
         judge_attempts: int = 5,
         judge_backoff_s: float = 2.0,
+        tool_call_format: str = "template",
     ):
         if score is None:
             raise ValueError("ServeCallback needs a per-turn score provider (rollout.score)")
@@ -131,6 +135,7 @@ class ServeCallback(RolloutCallback):
         self.host, self.port, self.api_key, self.model_name = host, port, api_key, model_name
         self.max_request_bytes, self.rate_limit = max_request_bytes, rate_limit_per_minute
         self.session_timeout_s, self.poll_s = session_timeout_s, poll_s
+        self.tool_call_format = check_format(tool_call_format, "ServeCallback")
         if (
             isinstance(judge_attempts, bool)
             or not isinstance(judge_attempts, int)
@@ -196,6 +201,7 @@ class ServeCallback(RolloutCallback):
             session_timeout_s=self.session_timeout_s,
             train_sampling=self.sampling,
             launch=self._launch,
+            tool_call_format=self.tool_call_format,
         )
         self.server = BackgroundServer(self.app, host=self.host, port=self.port)
         self.url = self.server.start()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import re
 
+from composer_lightning.chat.tool_calls import check_format
 from composer_lightning.envs.python_tools import CALL_CLOSE, PythonToolEnv
 from composer_lightning.tasks.arithmetic import number_hint
 from composer_lightning.tasks.base import Problem, Task, Verdict
@@ -53,6 +54,8 @@ class ToolCalc(Task):
         xy_share: probability of the "Let x = ..." phrasing.
         max_calls: tool calls an episode may make (the last one ends it).
         timeout: seconds one tool call may run.
+        tool_call_format: the format the environment reads calls in (`PythonToolEnv`'s:
+            "auto", "hermes", "mistral", "llama3_json", or "template", the chat template's).
     """
 
     name = "tool_calc"
@@ -65,6 +68,7 @@ class ToolCalc(Task):
         xy_share: float = 0.5,
         max_calls: int = 3,
         timeout: float = 5.0,
+        tool_call_format: str = "auto",
     ) -> None:
         if not 0 <= min_value <= max_value:
             raise ValueError(f"need 0 <= min_value <= max_value, got {min_value}, {max_value}")
@@ -73,6 +77,7 @@ class ToolCalc(Task):
         self.min_value, self.max_value = min_value, max_value
         self.xy_share = xy_share
         self.max_calls, self.timeout = max_calls, timeout
+        self.tool_call_format = check_format(tool_call_format, "ToolCalc")
 
     def make(self, a: int, b: int, phrasing: int = 0) -> Problem:
         """The problem `a + b` in phrasing `phrasing` (an index of `PHRASINGS`)."""
@@ -92,7 +97,12 @@ class ToolCalc(Task):
 
     def environment(self, problem: Problem) -> PythonToolEnv:
         """A fresh calculator environment: the one tool `add`."""
-        return PythonToolEnv([add], max_calls=self.max_calls, timeout=self.timeout)
+        return PythonToolEnv(
+            [add],
+            max_calls=self.max_calls,
+            timeout=self.timeout,
+            tool_call_format=self.tool_call_format,
+        )
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
         answer = int(problem["answer"])
