@@ -17,7 +17,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 
-from composer_lightning.chat import problem_messages, tokenize_prompt
+from composer_lightning.chat import tokenize_prompt
 from composer_lightning.datamodules.jsonl import stream_positions
 from composer_lightning.datamodules.prompts import (
     load_prompt_dataset,
@@ -25,7 +25,7 @@ from composer_lightning.datamodules.prompts import (
     truncate_left,
 )
 from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
-from composer_lightning.rollout.validation import is_heldout
+from composer_lightning.rollout.validation import is_heldout, problem_key
 from composer_lightning.runtime.distributed import data_parallel
 from composer_lightning.runtime.resume import Differences
 from composer_lightning.runtime.resume import line as resume_line
@@ -233,7 +233,7 @@ class RolloutDataModule(L.LightningDataModule):
         rng, out, seen = random.Random(f"{self.seed}/validation"), [], set()
         for _ in range(self.val_prompts * 500):  # bounded: a small space has few held-out problems
             problem = self.task.sample(rng)
-            key = str(problem_messages(problem))
+            key = problem_key(problem)
             if key not in seen and is_heldout(problem, self.val_fraction):
                 seen.add(key)
                 out.append(problem)
@@ -280,7 +280,15 @@ class RolloutDataModule(L.LightningDataModule):
         return cached
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        """The engine's prompt ids of `problem`, left-truncated to `max_prompt_length`."""
+        """The engine's prompt ids of `problem`, left-truncated to `max_prompt_length`; none
+        for a problem without a chat of a task whose environment opens the chat itself
+        (`Task.opens_in_environment`: its episodes start from `reset`)."""
+        if (
+            getattr(self.task, "opens_in_environment", False)
+            and not problem.get("messages")
+            and problem.get("prompt") is None
+        ):
+            return []
         return truncate_left(tokenize_prompt(self.tokenizer, problem), self.max_prompt_length)
 
     def prompt_batch(self, index: int) -> dict[str, Any]:

@@ -14,6 +14,12 @@ OpenAI-style function specs (`{"type": "function", "function": {"name", "descrip
 
 An environment instance serves one episode at a time; the episode loop asks `Task.environment`
 for a fresh one per episode. A single-turn task is an episode of one turn (`SingleTurn`).
+
+Optionally, `end(messages) -> float | None`: called when the loop ends an episode the
+environment did not end (a turn cut at the token budget, or the loop's `max_turns` reached
+first) with the whole chat so far; what it returns is the episode's outcome reward (None: the
+run's score provider judges the final answer, as without it). An environment whose reward is
+its own (an OpenEnv session's `verify`) judges a cut episode this way.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from composer_lightning.chat.tool_calls import ToolCall, parse_tool_calls
+from composer_lightning.chat.tool_calls import ToolCall, check_format, parse_tool_calls
 from composer_lightning.envs.base import Message, Observation
 from composer_lightning.runtime.moved import moved_attribute
 
@@ -67,6 +67,9 @@ class OpenEnvEpisode:
         max_tool_calls_per_turn: calls run per turn, the rest dropped (None: all).
         max_total_tool_calls: calls in the whole episode; the one past it ends the episode
             unanswered (None: no limit).
+        tool_call_format: the format calls are read in from a message's text
+            (`chat.tool_calls.FORMATS`, or "template": the chat template's, which the episode
+            loop sets).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class OpenEnvEpisode:
         max_turns: int = 10,
         max_tool_calls_per_turn: int | None = None,
         max_total_tool_calls: int | None = None,
+        tool_call_format: str = "auto",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns!r}")
@@ -83,6 +87,7 @@ class OpenEnvEpisode:
         self.max_turns = max_turns
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.max_total_tool_calls = max_total_tool_calls
+        self.tool_call_format = check_format(tool_call_format, "OpenEnvEpisode")
         self.tools: list[dict[str, Any]] | None = None
         self.session: Any = None
         self.transcript: list[Message] = []
@@ -108,7 +113,8 @@ class OpenEnvEpisode:
     def step(self, message: Message) -> Observation:
         if self.session is None or self._done:
             raise RuntimeError("step() needs reset() first, and none after the episode ended")
-        calls = parse_tool_calls(message, self._turns)
+        fmt = "auto" if self.tool_call_format == "template" else self.tool_call_format
+        calls = parse_tool_calls(message, self._turns, fmt)
         self._turns += 1
         self.transcript.append(_assistant_message(message, calls))
         if not calls:
@@ -164,6 +170,16 @@ class OpenEnvEpisode:
         info = {"tool_error": error, "metrics": {**dict(verify.metrics), **metrics}}
         self.close()
         return Observation(messages=replies, done=True, reward=reward, info=info)
+
+    def end(self, messages: list[Message]) -> float | None:
+        """The outcome of an episode the loop ended (a turn cut at the token budget, or its
+        turn limit first): the session's own verdict on the transcript, the cut turn included,
+        as OpenEnv's loop would give it when the model stops."""
+        if self.session is None or self._done:
+            return None
+        if messages and messages[-1].get("role") == "assistant":  # the cut turn, never stepped
+            self.transcript.append(_assistant_message(messages[-1], []))
+        return self._end([], None, truncated=True).reward
 
     def close(self) -> None:
         """Release the session (also done when the episode ends)."""

@@ -48,12 +48,12 @@ def check_engine_layout(world_size: int, tp: int, max_turns: int, max_staleness:
     what they cannot run with."""
     if world_size % tp:
         raise ConfigError(f"tensor_parallel_size {tp} does not divide the world size {world_size}")
-    if max_turns > 1 and (max_staleness or tp > 1):
+    if max_turns > 1 and tp > 1:
         raise ConfigError(
-            f"max_turns={max_turns} runs each episode's turns from this process "
-            f"(the environment answers between them); it is not supported with "
-            f"max_staleness={max_staleness} or tensor_parallel_size {tp}: use "
-            "max_staleness 0 and tensor_parallel_size 1 for multi-turn episodes"
+            f"max_turns={max_turns} with tensor_parallel_size {tp}: episodes end at different "
+            "turns on different ranks, while every call of a tensor-parallel engine is a "
+            "collective its ranks must make together; use tensor_parallel_size 1 (an engine per "
+            "rank) for multi-turn episodes"
         )
     if max_staleness and tp > 1:
         raise ConfigError(
@@ -98,7 +98,14 @@ def check_inputs(
 def check_providers(dm: Any, providers: dict[str, Any]) -> None:
     """One line when a provider cannot judge the problems it will see: the score and hint
     providers on the rows of a prompt file or dataset, the validation score on its held-out
-    rows. A task's own rows must name a task that resolves to it (`check_task_rows`)."""
+    rows. A task's own rows must name a task that resolves to it (`check_task_rows`). Providers
+    that look tasks up by a row's name judge the data's task by its own instance (built with
+    its `task_args`), not a fresh one built from the name."""
+    task, name = getattr(dm, "task", None), getattr(dm, "task_name", None)
+    for provider in providers.values():
+        bind = getattr(provider, "bind_task", None)
+        if task is not None and isinstance(name, str) and callable(bind):
+            bind(name, task)
     if getattr(dm, "file_problems", None) is None:
         check_task_rows(dm)
         return

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from composer_lightning.chat import TraceSample, problem_messages, single_turn_teacher
+from composer_lightning.chat import TraceSample, single_turn_teacher
 from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.episodes import Episode, Turn
@@ -370,7 +370,7 @@ def _row(
     if len(ep.turns) == 1 and not ep.tools and not ep.turns[0].has_next_state:
         h = turns[0][1]
         return {
-            "prompt": problem_messages(ep.problem)[-1]["content"],
+            "prompt": (ep.turns[0].context or [{"content": ""}])[-1]["content"],
             "completion": ep.turns[0].text,
             "reward": reward,
             "hint": (hint_candidates(h) or [None])[0],

@@ -20,9 +20,13 @@ differently), the episode keeps the engine's ids and counts the difference
 Limits: `max_turns` assistant turns (then the episode ends, `status="max_turns"`); a token
 budget per episode and the engine's context length (a turn gets at most what is left; an
 episode with nothing left, or whose turn hit `max_tokens`, ends `status="truncated"`). An
+environment with an `end(messages)` method gives such an episode its outcome (`envs/base.py`). An
 environment that raises, times out (`env_timeout` per call) or returns something that is not an
 `Observation` of chat messages fails its episode (`status="failed"`, one warning line each);
 the other episodes go on.
+
+An environment whose `tool_call_format` is "template" reads calls in the format the tokenizer's
+chat template writes (`chat.tool_calls.format_of_template`), set here when it is made.
 
 Environments of different episodes are called concurrently, up to `env_workers` calls at a time
 on threads (each episode has its own environment instance): a turn's tool calls that take real
@@ -39,10 +43,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from composer_lightning.chat import render_ids, template_delta
+from composer_lightning.chat.tool_calls import format_of_template
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.envs.base import (
     Environment,
@@ -170,6 +175,8 @@ def run_episodes(
         for ep in group:
             try:
                 ep.env = environment(problem)
+                if getattr(ep.env, "tool_call_format", None) == "template":
+                    ep.env.tool_call_format = format_of_template(tokenizer)
             except Exception as exc:  # a broken environment fails its episode
                 ep.fail(f"reset raised {type(exc).__name__}: {exc}")
     started = [(i, ep) for i, group in enumerate(episodes) for ep in group if ep.alive]
@@ -255,6 +262,24 @@ def run_episodes(
                 )
                 results.extend((ep, group[0]) for ep, group in zip(eps, outs, strict=True))
         _advance(results, tokenizer, env_timeout, turn == max_turns - 1, env_workers)
+    ended = [
+        ep
+        for group in episodes
+        for ep in group
+        if ep.status in ("truncated", "max_turns", "running")
+        and ep.reward is None
+        and callable(getattr(ep.env, "end", None))
+    ]
+    outcomes = call_all(
+        [(ep.env.end, (list(ep.messages),), _limit(ep, env_timeout)) for ep in ended], env_workers
+    )
+    for ep, (reward, error) in zip(ended, outcomes, strict=True):
+        if ep.status == "running":
+            ep.status = "max_turns"
+        if error is not None:
+            ep.fail(f"end raised {type(error).__name__}: {error}")
+        elif reward is not None:
+            ep.reward = float(reward)
     for group in episodes:
         for ep in group:
             ep.env = None  # environments are per episode: nothing of them outlives it
@@ -404,17 +429,44 @@ def one_turn_episodes(
     return episodes
 
 
-def task_environments(default: Any = None) -> Callable[[dict[str, Any]], Environment]:
+def episode_state(ep: Episode) -> dict[str, Any]:
+    """`ep` as plain data (dicts and lists) for a checkpoint; its environment is not kept (an
+    episode held there has ended)."""
+    state = asdict(replace(ep, env=None))
+    del state["env"]
+    return state
+
+
+def episode_from_state(state: dict[str, Any]) -> Episode:
+    """The episode `episode_state` gave."""
+    turns = [
+        Turn(
+            t["context"],
+            t["context_ids"],
+            Completion(**t["completion"]),
+            t["text"],
+            None if t["next_state"] is None else Observation(**t["next_state"]),
+        )
+        for t in state["turns"]
+    ]
+    return Episode(**{**state, "turns": turns})
+
+
+def task_environments(
+    default: Any = None, default_name: str | None = None
+) -> Callable[[dict[str, Any]], Environment]:
     """Per episode a fresh environment from the problem's task (`Task.environment`): its
-    `"task"` field names it, else `default` (the data's task); neither: a single turn."""
+    `"task"` field names it, else `default` (the data's task, also named `default_name`, e.g.
+    by the dotted path it was built from with its arguments); neither: a single turn."""
     from composer_lightning.tasks import get_task
 
     tasks: dict[str, Any] = {}
+    own = {getattr(default, "name", None), default_name} - {None}
 
     def environment(problem: dict[str, Any]) -> Environment:
         name = problem.get("task")
         task = default
-        if isinstance(name, str) and getattr(default, "name", None) != name:
+        if isinstance(name, str) and name not in own:
             if name not in tasks:
                 tasks[name] = get_task(name)
             task = tasks[name]
@@ -449,7 +501,7 @@ class EpisodeSettings:
             generate,
             problems,
             prompt_ids,
-            task_environments(getattr(dm, "task", None)),
+            task_environments(getattr(dm, "task", None), getattr(dm, "task_name", None)),
             dm.tokenizer,
             sampling,
             n,

@@ -32,10 +32,18 @@ from composer_lightning.rollout.providers import provider_logs, provider_values
 from composer_lightning.tasks.base import Problem, ScoreProvider
 
 
+def problem_key(problem: Problem) -> str:
+    """What identifies a problem: its chat, or the whole problem when it has none (a task
+    whose environment opens the chat itself, e.g. an OpenEnv session's seed)."""
+    if problem.get("messages") or problem.get("prompt") is not None:
+        return json.dumps(problem_messages(problem), sort_keys=True)
+    return json.dumps(problem, sort_keys=True, default=str)
+
+
 def is_heldout(problem: Problem, fraction: float) -> bool:
-    """Whether `problem` is in the held-out split (a hash of its chat, so stable everywhere)."""
-    key = json.dumps(problem_messages(problem), sort_keys=True).encode()
-    h = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
+    """Whether `problem` is in the held-out split (a hash of `problem_key`, so stable
+    everywhere)."""
+    h = int.from_bytes(hashlib.sha256(problem_key(problem).encode()).digest()[:8], "big")
     return h % 1_000_000 < fraction * 1_000_000
 
 

@@ -60,6 +60,8 @@ class Task(ABC):
     name: str = "task"
     #: Fields of a problem the verifier reads besides "messages" (checked when prompts load).
     required_fields: tuple[str, ...] = ()
+    #: the episode's environment gives the opening chat (`reset`): its problems may have none
+    opens_in_environment: bool = False
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Problem:

@@ -36,9 +36,13 @@ class OpenEnvTask(Task):
         max_turns: assistant turns per episode.
         max_tool_calls_per_turn: tool calls run per turn (None: all).
         max_total_tool_calls: tool calls per episode (None: no limit).
+        tool_call_format: the format calls are read in from the model's text
+            (`chat.tool_calls`: "auto", "hermes", "mistral", "llama3_json", or "template",
+            the chat template's).
     """
 
     name = "openenv"
+    opens_in_environment = True  # the session's initial messages open each episode
 
     def __init__(
         self,
@@ -49,6 +53,7 @@ class OpenEnvTask(Task):
         max_turns: int = 10,
         max_tool_calls_per_turn: int | None = None,
         max_total_tool_calls: int | None = None,
+        tool_call_format: str = "auto",
     ) -> None:
         self.factory = _import(factory)(**(factory_args or {}))
         self.tasks = list(tasks) if tasks is not None else None
@@ -58,6 +63,7 @@ class OpenEnvTask(Task):
             "max_turns": max_turns,
             "max_tool_calls_per_turn": max_tool_calls_per_turn,
             "max_total_tool_calls": max_total_tool_calls,
+            "tool_call_format": tool_call_format,
         }
         OpenEnvEpisode(self.factory, **self.episode_args)  # checks the limits now
 

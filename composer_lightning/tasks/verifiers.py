@@ -48,6 +48,11 @@ class _VerifierBase:
             self._cache[name] = get_task(name)
         return self._cache[name]
 
+    def bind_task(self, name: str, task: Task) -> None:
+        """Judge problems whose `"task"` is `name` with `task` (the run's data built it, with
+        its arguments), instead of a fresh one built from the name alone."""
+        self._cache[name] = task
+
     def check(self, problems: Sequence[Problem]) -> str | None:
         """What keeps this verifier from judging `problems` (no task to look up, an unknown
         task, a field its verifier reads missing), said once for the first such problem; None
