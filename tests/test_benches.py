@@ -156,6 +156,15 @@ SMOKES = {
     # the tiny policy, every kind of run once (on policy, overlapped, generation and training
     # alone; TRL when importable, else the line saying its rows were left out), 5 steps: the
     # first measured after the 3 warm-up steps
+    # two head sets of the tiny policy for 3 steps (1 timed): every part of the step timed
+    "step_cost": Smoke(
+        "step_cost.py",
+        "--model tiny --task arithmetic --sets dr_grpo all --steps 3 --max-tokens 8 --threads 1",
+        tuple(
+            rf"^\| {s} \| {POS} \| {NUM}x \|( {NUM} \|){{9}} {POS} \|$" for s in ("dr_grpo", "all")
+        ),
+        vllm=True,
+    ),
     "throughput": Smoke(
         "throughput.py",
         "--rounds 1 --steps 5 --models tiny --runs k=0@1 k=1 gen train trl@1",
