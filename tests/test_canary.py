@@ -104,3 +104,27 @@ def test_nan_weights_stop_the_run_as_out_of_sync():
     with pytest.raises(OutOfSyncError, match="non-finite trainer log-probs"):
         trainer.fit(module, train_dataloaders=DataLoader([rb], batch_size=None))
     assert trainer.global_step == 0
+
+
+def test_a_batch_of_mixed_versions_is_compared_on_the_rows_these_weights_sampled():
+    """Serve's batches mix versions (stamped stale, no recomputed rows): the rows the current
+    weights sampled (`on_policy_rows`) are compared with the trainer's log-probs, the older
+    rows (whose engine log-probs are another version's) are not; an engine out of sync on
+    such a row stops the run, and with no row marked nothing is compared."""
+    rb = _batch()
+    old = torch.zeros(rb.input_ids.shape, dtype=torch.float64)
+    rb.engine_logprobs = old + 1e-7
+    rows = torch.zeros(rb.batch_size, dtype=torch.bool)
+    rows[::2] = True
+    rb.engine_logprobs[~rows] = -3.0  # older weights' log-probs: far from the trainer's
+    rb.on_policy_rows = rows
+    got = check_canary(rb, old, max_logprob_gap=1e-3, stale=True).local()
+    assert got["rollout/logprob_gap_max"] == pytest.approx(1e-7, rel=1e-6)
+    assert got["rollout/logprob_gap_mean"] == pytest.approx(1e-7, rel=1e-6)
+    b = int(torch.nonzero(rows)[0])
+    t = int(torch.nonzero(rb.response_mask[b])[0])
+    rb.engine_logprobs[b, t] = 0.5  # the engine's own row disagrees: out of sync
+    with pytest.raises(OutOfSyncError, match="out of sync"):
+        check_canary(rb, old, max_logprob_gap=1e-3, stale=True)
+    rb.on_policy_rows = torch.zeros_like(rows)
+    assert check_canary(rb, old, max_logprob_gap=1e-3, stale=True).local() == {}

@@ -56,6 +56,9 @@ class RolloutBatch:
             behaviour log-probs of a stale batch).
         behavior_logprobs: `[B, T]` the trainer's log-probs at `policy_version`, recomputed for
             a stale batch on some rows (NaN elsewhere) for the canary; None on policy.
+        on_policy_rows: `[B]` bool, the rows the trainer's current weights sampled, in a batch
+            whose other rows are older (serve's turns of several versions): the canary
+            compares those rows with the trainer's log-probs. None: the batch's stamp says.
         has_teacher: `[B]` bool, an accepted hint exists for the sample.
         teacher_input_ids: `[B, T']` hinted context ⊕ the same response.
         teacher_attention_mask: `[B, T']`.
@@ -95,6 +98,7 @@ class RolloutBatch:
     policy_version: int | None = None
     engine_logprobs: Tensor | None = None
     behavior_logprobs: Tensor | None = None
+    on_policy_rows: Tensor | None = None
     has_teacher: Tensor | None = None
     teacher_input_ids: Tensor | None = None
     teacher_attention_mask: Tensor | None = None
@@ -144,6 +148,7 @@ class RolloutBatch:
             "teacher_positions",
         ]
         per_sample = ["rewards", "has_reward", "group_ids", "has_teacher", "episode_ids"]
+        per_sample.append("on_policy_rows")
         for name in per_token:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B, T):

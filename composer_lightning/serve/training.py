@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from composer_lightning.chat.tool_calls import check_format
@@ -379,7 +380,8 @@ class ServeCallback(RolloutCallback):
         group) each, with its engine log-probs and, for a hinted turn, its teacher context.
         The batch is stamped `version` minus its farthest turn's distance: on policy only when
         every turn was sampled by these very weights, else importance-corrected row by row
-        against the engine log-probs."""
+        against the engine log-probs; the rows these weights sampled are marked
+        (`on_policy_rows`), so the canary compares them even in a batch of mixed versions."""
         rows = []
         for t in turns:
             c = Completion(list(t.response_ids), list(t.logprobs), "stop")
@@ -396,7 +398,9 @@ class ServeCallback(RolloutCallback):
             max_response_length=self.sampling.max_tokens,
             engine_logprobs=[[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in turns],
         )
-        rb.policy_version = version - max(self.distances(turns, version))
+        distances = self.distances(turns, version)
+        rb.policy_version = version - max(distances)
+        rb.on_policy_rows = torch.tensor([d == 0 for d in distances])  # the canary's rows
         return rb
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

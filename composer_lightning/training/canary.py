@@ -68,7 +68,9 @@ def check_canary(
 
     `old` are the trainer's log-probs at its current version; a `stale` batch is compared with
     its `behavior_logprobs` (the generating version's, recomputed on the first `CANARY_ROWS`
-    rows) instead, and not at all without them (batches generated before a resume). A batch of
+    rows) instead; without them, on its `on_policy_rows` (rows the current weights sampled, in
+    a batch of mixed versions: serve's) against `old`; else not at all (batches generated
+    before a resume). A batch of
     a shaped sampler (`rb.sampler_shaped`: top-k, min-p, penalties) is not compared: its
     log-probs differ from the trainer's by design; the weight fingerprint (`check_fingerprint`)
     still checks the push.
@@ -83,6 +85,9 @@ def check_canary(
         if trainer is not None:  # the first rows were recomputed (`version_logprobs`)
             rows = torch.arange(rb.batch_size, device=covered.device) < CANARY_ROWS
             covered = covered & rows[:, None]
+        elif rb.on_policy_rows is not None and bool(rb.on_policy_rows.any()):
+            # rows of these very weights, among older ones
+            trainer, covered = old, covered & rb.on_policy_rows.to(covered.device)[:, None]
     if rb.sampler_shaped:
         trainer = None
     error = None

@@ -253,6 +253,10 @@ def test_a_step_drops_stale_turns_and_stamps_the_batch_with_its_oldest_version(t
     assert [t.version for t in turns] == [5, 3]
     assert cb.store.get(ids[1]).drop_reason == "stale"
     assert cb.samples(turns, tok, version=6).policy_version == 3
+    # the canary's rows: a turn the current weights sampled, among older ones
+    current = cb.store.get(cb.store.record("s6", messages, prompt, [29, 1], "3", [-0.5, -0.1], 6))
+    rb = cb.samples([current, *turns], tok, version=6)
+    assert rb.on_policy_rows.tolist() == [True, False, False] and rb.policy_version == 3
 
 
 def test_dispatch_dropped_counts_the_step_not_the_store():
