@@ -107,21 +107,25 @@ def test_history_tool_calls_render_through_a_template_without_them_as_hermes_tex
 
 
 def test_tools_go_into_the_system_message_where_the_template_does_not_render_them() -> None:
-    """SmolLM2's template ignores `tools`: they are described in the system message (after its
-    own text, or as a new first message); a template that renders them gets them as they are."""
+    """SmolLM2's template ignores `tools`: every render describes them in the system message
+    (after its own text, or as a new first message), so an episode's model sees its tools; a
+    template that renders them gets them as they are; `for_template` leaves that to rendering."""
     from composer_lightning.chat.tool_calls import TOOLS_SYSTEM_TEXT
     from composer_lightning.models.tiny import tiny_policy_path
 
-    spec = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = {"type": "function", "function": {"name": "add", "parameters": params}}
     plain = AutoTokenizer.from_pretrained(tiny_policy_path())  # renders no tools
     chat = [{"role": "user", "content": "hi"}]
-    (system, user) = for_template(chat, plain, [spec])
-    assert system["role"] == "system" and json.dumps(spec) in system["content"]
-    assert system["content"] == TOOLS_SYSTEM_TEXT.format(tools=json.dumps(spec)) and user == chat[0]
+    system = {"role": "system", "content": TOOLS_SYSTEM_TEXT.format(tools=json.dumps(spec))}
+    assert render_ids(plain, chat, True, tools=[spec]) == render_ids(plain, [system, *chat], True)
     own = [{"role": "system", "content": "Be brief."}, *chat]
-    assert for_template(own, plain, [spec])[0]["content"].startswith("Be brief.\n\n")
+    joined = {"role": "system", "content": f"Be brief.\n\n{system['content']}"}
+    assert render_ids(plain, own, True, tools=[spec]) == render_ids(plain, [joined, *chat], True)
+    assert for_template(chat, plain, [spec]) == chat
     tools_tok = AutoTokenizer.from_pretrained(tiny_tool_policy_path())  # renders them itself
-    assert for_template(chat, tools_tok, [spec]) == chat
+    rendered = tools_tok.decode(render_ids(tools_tok, chat, True, tools=[spec]))
+    assert "add(" in rendered and "You may call" not in rendered
 
 
 def test_a_format_by_name_reads_only_its_own_calls_and_writes_them_back_alike() -> None:

@@ -40,7 +40,9 @@ def render_ids(
     chat template (no extra special tokens), with the template variables of the tokenizer's
     `chat_template_kwargs` attribute when it has one (TRL's `chat_template_kwargs`, e.g.
     `enable_thinking: false`; `RolloutDataModule` sets it from `data.chat_template_kwargs`, so
-    prompts, hinted contexts and episodes of a run all render alike).
+    prompts, hinted contexts and episodes of a run all render alike). A template that does not
+    render `tools` (SmolLM2's) gets them described in the system message
+    (`chat.tool_calls.with_tools_in_system`), so the model is always shown its tools.
 
     Raises:
         ValueError: the tokenizer has no chat template (one line naming it).
@@ -49,7 +51,12 @@ def render_ids(
         raise no_template(tokenizer, "a chat")
     extra = dict(getattr(tokenizer, "chat_template_kwargs", None) or {})
     if tools:
-        extra["tools"] = tools
+        from composer_lightning.chat.tool_calls import template_renders_tools, with_tools_in_system
+
+        if template_renders_tools(tokenizer):
+            extra["tools"] = tools
+        else:  # the template would drop them silently: the system message describes them
+            messages = with_tools_in_system(messages, tools)
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )

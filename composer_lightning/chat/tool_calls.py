@@ -263,10 +263,9 @@ def for_template(
 ) -> list[Message]:
     """`messages` as the tokenizer's template can render them: OpenAI `tool_calls` kept (their
     arguments as objects, as templates expect) where the template renders them, else written
-    into the content in format `fmt` (`with_calls_as_text`); `tools` described in the system
-    message where the template does not render them (`with_tools_in_system`)."""
-    if tools and not template_renders_tools(tokenizer):
-        messages = with_tools_in_system(messages, tools)
+    into the content in format `fmt` (`with_calls_as_text`). (`tools` a template does not render
+    are described in the system message by `chat.render_ids` itself, for every chat it renders;
+    `tools` is accepted here for callers that still pass it.)"""
     if not any(m.get("tool_calls") for m in messages):
         return messages
     if not template_renders_tool_calls(tokenizer):

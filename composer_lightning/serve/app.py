@@ -233,7 +233,7 @@ def make_app(
         req = parse_request(body, dict(request.headers), max_n=max_n)
         _check_model(req.model, model_name)
         # the history's OpenAI tool calls as this template renders them; stored in this form
-        # (and the tools in the system message where the template does not render them)
+        # (tools a template does not render are described in the system message by render_ids)
         req = dataclasses.replace(
             req, messages=for_template(req.messages, backend.tokenizer, req.tools, fmt)
         )
