@@ -58,11 +58,16 @@ def test_a_scripted_episode_keeps_the_account_and_decides_the_outcome(bank_env):
     assert unknown.tool_error.startswith("Tool call error: unknown tool 'withdraw'")
 
 
-def test_the_examples_config_trains_from_another_directory(tmp_path):
-    """Copied elsewhere, run as the README says: held-out episode success before the first step
-    and after it, the environment's tools in the rollouts written."""
+def train_example_elsewhere(example, run_name: str, tmp_path) -> dict:
+    """An example directory copied elsewhere and its config trained as its README says, for 2
+    steps with the HF engine: checks held-out episode success before the first step and after
+    it, 2 training losses; returns the first episode written to `rollouts.jsonl`."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     work = tmp_path / "mine"
-    shutil.copytree(EXAMPLE, work)
+    shutil.copytree(example, work)
     out = run_cli(
         "fit", "--config", "config.yaml",
         "--rollout.engine.class_path=composer_lightning.engines.HFEngine",
@@ -72,17 +77,19 @@ def test_the_examples_config_trains_from_another_directory(tmp_path):
         pythonpath=str(work), cwd=work,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = glob.glob(str(work / "runs" / "custom_env" / "version_0" / "events.*"))
+    run = work / "runs" / run_name / "version_0"
+    (events,) = glob.glob(str(run / "events.*"))
     acc = EventAccumulator(events)
     acc.Reload()
     assert [e.step for e in acc.Scalars("val/accuracy")] == [0, 1]  # before, and after step 2
     assert len(acc.Scalars("train/loss")) == 2
-    import json
+    return json.loads((run / "rollouts.jsonl").read_text().splitlines()[0])
 
-    rows = (work / "runs" / "custom_env" / "version_0" / "rollouts.jsonl").read_text().splitlines()
-    episode = json.loads(rows[0])
+
+def test_the_examples_config_trains_from_another_directory(tmp_path):
+    """Copied elsewhere, run as the README says: held-out episode success before the first step
+    and after it, the environment's tools in the rollouts written."""
+    episode = train_example_elsewhere(EXAMPLE, "custom_env", tmp_path)
     assert episode["tools"] == _tools() and episode["messages"][0]["role"] == "user"
 
 

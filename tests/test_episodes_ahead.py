@@ -12,16 +12,15 @@ import pytest
 import torch
 
 from composer_lightning.datamodules.rollout import RolloutDataModule
-from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.tiny import tiny_tool_policy_path
 from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.runtime.errors import ConfigError
-from composer_lightning.tasks import ToolErrorHint
 from composer_lightning.tasks.tool_calc import ToolCalc
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer
+from tests.test_agent_fit import _callback as agent_callback
 
 POLICY = tiny_tool_policy_path()
 
@@ -53,19 +52,9 @@ def _question(problem) -> str:
     return str(problem.get("prompt") or problem.get("messages"))
 
 
-def _callback(k: int, **kwargs) -> RolloutCallback:
-    return RolloutCallback(
-        HFEngine(model_path=POLICY, seed=0),
-        group_size=2,
-        sampling=SamplingConfig(temperature=0.7, max_tokens=32, seed=0),
-        hint=ToolErrorHint(),
-        max_turns=3,
-        max_episode_tokens=192,
-        samples_every_n_steps=0,
-        val_samples=2,
-        max_staleness=k,
-        **kwargs,
-    )
+def _callback(k: int) -> RolloutCallback:
+    """The tool agent's callback of `tests/test_agent_fit.py`, generating `k` batches ahead."""
+    return agent_callback(max_staleness=k)
 
 
 def _module(lr: float = 1e-3) -> ComposerModule:

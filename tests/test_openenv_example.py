@@ -4,9 +4,7 @@ config trained from another working directory with the example on `PYTHONPATH`."
 
 from __future__ import annotations
 
-import glob
 import json
-import shutil
 import sys
 
 import pytest
@@ -24,7 +22,8 @@ from openenv.core.llm_client import ToolCall as OEToolCall  # noqa: E402
 
 from composer_lightning.models.tiny import tiny_tool_policy_path  # noqa: E402
 from composer_lightning.tasks import get_task  # noqa: E402
-from tests.test_cli import ROOT, run_cli  # noqa: E402
+from tests.test_cli import ROOT  # noqa: E402
+from tests.test_custom_env import train_example_elsewhere  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "openenv_lookup"
 
@@ -90,26 +89,7 @@ def test_the_same_episode_scores_alike_under_openenv_and_here(lookup_env):
 def test_the_examples_config_trains_from_another_directory(tmp_path):
     """Copied elsewhere, run as the README says: held-out episode success before the first step
     and after it, the session's tool in the rollouts written."""
-    work = tmp_path / "mine"
-    shutil.copytree(EXAMPLE, work)
-    out = run_cli(
-        "fit", "--config", "config.yaml",
-        "--rollout.engine.class_path=composer_lightning.engines.HFEngine",
-        f"--model.policy={tiny_tool_policy_path()}",
-        "--trainer.max_steps=2", "--trainer.val_check_interval=2",
-        "--data.init_args.val_prompts=4", "--rollout.init_args.samples_every_n_steps=1",
-        pythonpath=str(work), cwd=work,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = glob.glob(str(work / "runs" / "openenv_lookup" / "version_0" / "events.*"))
-    acc = EventAccumulator(events)
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("val/accuracy")] == [0, 1]  # before, and after step 2
-    assert len(acc.Scalars("train/loss")) == 2
-    rows = (work / "runs" / "openenv_lookup" / "version_0" / "rollouts.jsonl").read_text()
-    episode = json.loads(rows.splitlines()[0])
+    episode = train_example_elsewhere(EXAMPLE, "openenv_lookup", tmp_path)
     assert [t["function"]["name"] for t in episode["tools"]] == ["lookup"]
     assert episode["messages"][0]["content"].startswith("How much does")
 

@@ -122,7 +122,7 @@ def test_tools_go_into_the_system_message_where_the_template_does_not_render_the
     own = [{"role": "system", "content": "Be brief."}, *chat]
     joined = {"role": "system", "content": f"Be brief.\n\n{system['content']}"}
     assert render_ids(plain, own, True, tools=[spec]) == render_ids(plain, [joined, *chat], True)
-    assert for_template(chat, plain, [spec]) == chat
+    assert for_template(chat, plain) == chat
     tools_tok = AutoTokenizer.from_pretrained(tiny_tool_policy_path())  # renders them itself
     rendered = tools_tok.decode(render_ids(tools_tok, chat, True, tools=[spec]))
     assert "add(" in rendered and "You may call" not in rendered

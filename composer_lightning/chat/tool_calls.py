@@ -255,17 +255,12 @@ def with_tools_in_system(messages: list[Message], tools: list[dict[str, Any]]) -
     return [{"role": "system", "content": text}, *messages]
 
 
-def for_template(
-    messages: list[Message],
-    tokenizer: Any,
-    tools: list[dict[str, Any]] | None = None,
-    fmt: str = "hermes",
-) -> list[Message]:
+def for_template(messages: list[Message], tokenizer: Any, fmt: str = "hermes") -> list[Message]:
     """`messages` as the tokenizer's template can render them: OpenAI `tool_calls` kept (their
     arguments as objects, as templates expect) where the template renders them, else written
-    into the content in format `fmt` (`with_calls_as_text`). (`tools` a template does not render
-    are described in the system message by `chat.render_ids` itself, for every chat it renders;
-    `tools` is accepted here for callers that still pass it.)"""
+    into the content in format `fmt` (`with_calls_as_text`). (Tools a template does not render
+    are described in the system message by `chat.render_ids` itself, for every chat it
+    renders.)"""
     if not any(m.get("tool_calls") for m in messages):
         return messages
     if not template_renders_tool_calls(tokenizer):

@@ -29,7 +29,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from composer_lightning.chat.tool_calls import ToolCall, check_format, parse_tool_calls
+from composer_lightning.chat.tool_calls import (
+    ToolCall,
+    check_format,
+    parse_tool_calls,
+    resolve_format,
+)
 from composer_lightning.envs.base import Message, Observation
 from composer_lightning.runtime.moved import moved_attribute
 
@@ -113,7 +118,7 @@ class OpenEnvEpisode:
     def step(self, message: Message) -> Observation:
         if self.session is None or self._done:
             raise RuntimeError("step() needs reset() first, and none after the episode ended")
-        fmt = "auto" if self.tool_call_format == "template" else self.tool_call_format
+        fmt = resolve_format(self.tool_call_format)  # "template" unset by the loop: auto
         calls = parse_tool_calls(message, self._turns, fmt)
         self._turns += 1
         self.transcript.append(_assistant_message(message, calls))

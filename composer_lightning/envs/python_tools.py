@@ -40,6 +40,7 @@ from composer_lightning.chat.tool_calls import (
     MISTRAL_MARK,
     check_format,
     find_tool_calls,
+    resolve_format,
 )
 from composer_lightning.envs.base import Message, Observation
 from composer_lightning.runtime.calls import CallTimeout, call_with_timeout, check_timeout
@@ -152,7 +153,7 @@ class PythonToolEnv:
             raise TypeError(
                 f"step needs an assistant message {{'role', 'content': str}}, got {message!r}"
             )
-        fmt = "auto" if self.tool_call_format == "template" else self.tool_call_format
+        fmt = resolve_format(self.tool_call_format)  # "template" unset by the loop: auto
         _, bodies = find_tool_calls(content, fmt)  # chat.tool_calls: the parser serve shares
         if not bodies and CALL_OPEN not in content and CALL_CLOSE not in content:
             return Observation(done=True, reward=None, info={"tool_error": None})

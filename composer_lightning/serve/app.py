@@ -234,9 +234,7 @@ def make_app(
         _check_model(req.model, model_name)
         # the history's OpenAI tool calls as this template renders them; stored in this form
         # (tools a template does not render are described in the system message by render_ids)
-        req = dataclasses.replace(
-            req, messages=for_template(req.messages, backend.tokenizer, req.tools, fmt)
-        )
+        req = dataclasses.replace(req, messages=for_template(req.messages, backend.tokenizer, fmt))
         prompt_ids = _render(backend.tokenizer, req)
         sampling = _sampling(
             req, len(prompt_ids), backend.max_context, default_max_tokens, default_temperature
