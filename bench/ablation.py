@@ -49,6 +49,12 @@ at the start, `hinted_greedy`, capped at 0.9: when the student alone does what i
 mean over the seeds that did, and how many), the mean training reward of the last 10 steps,
 and wall time per run; writes docs/ablation.png (one panel per task; `--png` elsewhere, e.g.
 docs/ablation_tool.png for `--tasks tool`). `--quick`: one seed, 10 steps (an end-to-end check).
+`--fit-arg=--KEY=VALUE` (repeatable) adds an override to every run's fit, e.g.
+`--fit-arg=--rollout.max_staleness=2`.
+
+Why this file is long: one benchmark from its table of tasks and head sets to the runs, the
+report and the plot; each part reads the others' records, and a bench is a script a user reads
+top to bottom.
 """
 
 from __future__ import annotations
