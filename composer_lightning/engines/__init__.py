@@ -8,9 +8,11 @@ May import: `functional`, `runtime`, `models` (hub ids, weights under HF names).
 from composer_lightning.engines.base import (
     ChatEngine,
     Completion,
+    Delta,
     EngineContext,
     RolloutEngine,
     SamplingConfig,
+    StepEngine,
 )
 from composer_lightning.engines.hf import HFEngine
 from composer_lightning.engines.openai import OpenAIEngine
@@ -20,11 +22,13 @@ from composer_lightning.models.weights import iter_hf_weights
 __all__ = [
     "ChatEngine",
     "Completion",
+    "Delta",
     "EngineContext",
     "HFEngine",
     "OpenAIEngine",
     "RolloutEngine",
     "SamplingConfig",
+    "StepEngine",
     "VLLMEngine",
     "iter_hf_weights",
 ]

@@ -199,6 +199,47 @@ class RolloutEngine(Protocol):
         ...
 
 
+@dataclass
+class Delta:
+    """What one engine step added to one sample of a request (`StepEngine.step`).
+
+    Attributes:
+        request: the id the request was added with. index: which of its n samples.
+        token_ids, logprobs: the tokens this step generated and their sampling log-probs.
+        finish_reason: None while the sample goes on; "stop" or "length" on its last delta.
+    """
+
+    request: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """An engine that schedules requests continuously: requests join and leave the running
+    batch between steps, and each step reports the tokens it generated (vLLM's `LLMEngine`).
+    `serve/backend.py`'s `StepBackend` serves through it, streaming as tokens come.
+
+    A request added with `add` samples exactly as `generate([prompt], n, sampling)` would:
+    the same seeds, the same stop ids, the same log-probs. The engine is not thread-safe:
+    one thread calls `add`, `step` and `abort`, and never beside `load_weights`.
+    """
+
+    def add(self, request: str, prompt: list[int], n: int, sampling: SamplingConfig) -> None:
+        """Queue `n` samples of `prompt` under the id `request`."""
+        ...
+
+    def step(self) -> list[Delta]:
+        """Run one scheduling step of every queued or running request; what each generated."""
+        ...
+
+    def abort(self, request: str, n: int) -> None:
+        """Stop the `n` samples of `request` (a client that left); nothing more is reported."""
+        ...
+
+
 @runtime_checkable
 class ChatEngine(Protocol):
     """A model that answers chat messages with text (a served judge, e.g. `OpenAIEngine`)."""

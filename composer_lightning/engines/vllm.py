@@ -45,6 +45,7 @@ import torch
 
 from composer_lightning.engines.base import (
     Completion,
+    Delta,
     EngineContext,
     SamplingConfig,
     check_prompts,
@@ -296,31 +297,12 @@ class VLLMEngine:
             return []
         self.start()
         self.wake_up()
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         base_seed = resolve_seed(sampling, self._rng)
         # vLLM seeds the j-th of n samples with seed + j; offset prompts so that identical
         # prompts in one call still get distinct samples.
-        params = [
-            SamplingParams(
-                **{
-                    "n": n,
-                    "temperature": sampling.temperature,
-                    "top_p": sampling.top_p,
-                    "top_k": sampling.top_k_or_none or 0,  # vLLM 0.32: 0 (or -1) is off
-                    "min_p": sampling.min_p,
-                    "repetition_penalty": sampling.repetition_penalty,
-                    "max_tokens": sampling.max_tokens,
-                    "stop_token_ids": sampling.stops(self.eos_token_ids),
-                    "ignore_eos": True,  # the stop ids above already hold the model's EOS ids
-                    "seed": base_seed + i * n,
-                    "logprobs": 0,  # the sampled token's log-prob only
-                    "detokenize": False,
-                    **sampling.generation_kwargs,  # the user's word wins
-                }
-            )
-            for i in range(len(prompts))
-        ]
+        params = [self._params(sampling, n, base_seed + i * n) for i in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         with _host_state_preserved():  # vLLM's sampler draws from the global torch RNG
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -335,3 +317,66 @@ class VLLMEngine:
                 row_completions.append(Completion(tokens, logprobs, c.finish_reason))
             results.append(row_completions)
         return results
+
+    def _params(self, sampling: SamplingConfig, n: int, seed: int, **extra: Any) -> Any:
+        """vLLM's `SamplingParams` for `sampling`: n samples seeded seed, seed + 1, ..."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            **{
+                "n": n,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k_or_none or 0,  # vLLM 0.32: 0 (or -1) is off
+                "min_p": sampling.min_p,
+                "repetition_penalty": sampling.repetition_penalty,
+                "max_tokens": sampling.max_tokens,
+                "stop_token_ids": sampling.stops(self.eos_token_ids),
+                "ignore_eos": True,  # the stop ids above already hold the model's EOS ids
+                "seed": seed,
+                "logprobs": 0,  # the sampled token's log-prob only
+                "detokenize": False,
+                **extra,
+                **sampling.generation_kwargs,  # the user's word wins
+            }
+        )
+
+    # ------------------------------------------------------------------ continuous (StepEngine)
+    def add(self, request: str, prompt: list[int], n: int, sampling: SamplingConfig) -> None:
+        """Queue `n` samples of `prompt` in vLLM's scheduler (`LLMEngine.add_request`), each a
+        request of its own seeded as `generate` seeds the j-th sample (seed + j), reported by
+        `step` as it generates."""
+        check_prompts([prompt], n)
+        self.start()
+        self.wake_up()
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        seed = resolve_seed(sampling, self._rng)
+        with _host_state_preserved():
+            for j in range(n):
+                params = self._params(sampling, 1, seed + j, output_kind=RequestOutputKind.DELTA)
+                self.llm.llm_engine.add_request(
+                    f"{request}#{j}", TokensPrompt(prompt_token_ids=list(prompt)), params
+                )
+
+    def step(self) -> list[Delta]:
+        """One step of vLLM's scheduler: the tokens each running sample generated."""
+        with _host_state_preserved():  # vLLM's sampler draws from the global torch RNG
+            outputs = self.llm.llm_engine.step()
+        deltas = []
+        for out in outputs:
+            request, _, index = out.request_id.rpartition("#")
+            for c in out.outputs:
+                tokens = list(c.token_ids)
+                logprobs = [
+                    lp[tok].logprob for tok, lp in zip(tokens, c.logprobs or [], strict=True)
+                ]
+                finish = c.finish_reason if out.finished else None
+                if finish not in (None, "stop", "length"):
+                    raise RuntimeError(f"vLLM finished a request with {finish!r}")
+                deltas.append(Delta(request, int(index), tokens, logprobs, finish))
+        return deltas
+
+    def abort(self, request: str, n: int) -> None:
+        self.llm.llm_engine.abort_request([f"{request}#{j}" for j in range(n)])

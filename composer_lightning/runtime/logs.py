@@ -16,6 +16,9 @@ import logging
 HARMLESS_VLLM = (
     "RotaryEmbedding: Failed to load weights",  # the rotary cache buffer (see above)
     "Chat template warmup failed",  # skip_tokenizer_init=True: the engine takes token ids
+    # `VLLMEngine.add` passes token ids (`TokensPrompt`) straight to `LLMEngine.add_request`:
+    # they need none of the rendering the message points to
+    "Passing raw prompts to InputProcessor is deprecated",
     "Using None for EOS token id because tokenizer is not initialized",  # stop ids are given
     "CPU backend doesn't allow to use `torch.set_num_threads`",  # VLLMEngine restores it
     "The global random seed is set to",  # VLLMEngine restores the host's RNG states

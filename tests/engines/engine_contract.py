@@ -243,6 +243,50 @@ def check_over_budget_call(engine, policy) -> dict:
     return {"prompt_tokens": sum(map(len, OVER_BUDGET)), "completions": len(flat(whole))}
 
 
+def check_step_stream(engine, policy) -> dict:
+    """vLLM only (`StepEngine`). Requests added to the running batch at different steps, as
+    `serve` adds them, stream one delta per sample per step and end as `generate` samples the
+    same prompt with the same seed alone: token ids and log-probs exactly, finish reasons
+    too; log-probs are the trainer's at the engine's temperature (to 1e-5). An aborted request
+    reports nothing more."""
+    sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=12, seed=31)
+    alone = [engine.generate([p], 2, sampling)[0] for p in PROMPTS]
+    got: dict = {}
+    engine.add("late-abort", PROMPTS[1], 1, sampling)
+    engine.add("p0", PROMPTS[0], 2, sampling)
+    steps, pending = 0, list(enumerate(PROMPTS))[1:]
+    while steps < 200:
+        deltas = engine.step()
+        steps += 1
+        if steps == 2:
+            engine.abort("late-abort", 1)
+        if pending and steps % 2 == 0:  # the others join mid-way, one every other step
+            i, prompt = pending.pop(0)
+            engine.add(f"p{i}", prompt, 2, sampling)
+        for d in deltas:
+            assert len(d.token_ids) == len(d.logprobs) >= 1
+            entry = got.setdefault((d.request, d.index), [[], [], None])
+            assert entry[2] is None, "a delta after the sample finished"
+            entry[0] += d.token_ids
+            entry[1] += d.logprobs
+            entry[2] = d.finish_reason
+        if (
+            not pending
+            and all(v[2] for k, v in got.items() if k[0] != "late-abort")
+            and len(got) >= 7
+        ):
+            break
+    assert got[("late-abort", 0)][2] is None and len(got[("late-abort", 0)][0]) <= 2
+    for i, prompt in enumerate(PROMPTS):
+        for j in range(2):
+            tokens, logprobs, finish = got[(f"p{i}", j)]
+            want = alone[i][j]
+            assert (tokens, logprobs, finish) == (want.token_ids, want.logprobs, want.finish_reason)
+            ref = trainer_logprobs(policy, prompt, tokens, TEMPERATURE)
+            assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)) < EXACT
+    return {"steps": steps}
+
+
 CHECKS = {
     "shapes": check_shapes,
     "model_eos": check_model_eos,
@@ -253,7 +297,7 @@ CHECKS = {
     "bad_requests": check_bad_requests,
 }
 # Checks of VLLMEngine's own scheduling, run after CHECKS in the vLLM subprocess.
-VLLM_CHECKS = {"over_budget_call": check_over_budget_call}
+VLLM_CHECKS = {"over_budget_call": check_over_budget_call, "step_stream": check_step_stream}
 
 
 def host_snapshot() -> dict:
