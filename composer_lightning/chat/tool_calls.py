@@ -116,6 +116,35 @@ def find_tool_calls(text: str, fmt: str = "auto") -> tuple[str, list[str]]:
     return text, []
 
 
+def may_begin(text: str, mark: str) -> int:
+    """Where `mark` begins in `text`, or where a suffix of `text` that `mark` begins with
+    starts (the mark may be under way); len(text) when neither."""
+    found = text.find(mark)
+    if found >= 0:
+        return found
+    for k in range(min(len(mark) - 1, len(text)), 0, -1):
+        if mark.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+def call_start(text: str, fmt: str = "auto") -> int:
+    """Where a call in format `fmt` begins, or may yet begin, in a reply's text so far (a
+    stream): the first `<tool_call>` or `[TOOL_CALLS]` (or a suffix on its way to one), and 0
+    for a reply that is, so far, blank or JSON (Llama 3's calls are the whole reply);
+    len(text) when no call can start in it."""
+    if fmt not in FORMATS:
+        raise ValueError(f"call_start: fmt must be one of {FORMATS}, got {fmt!r}")
+    cut = len(text)
+    if fmt in ("auto", "hermes"):
+        cut = min(cut, may_begin(text, HERMES_OPEN))
+    if fmt in ("auto", "mistral"):
+        cut = min(cut, may_begin(text, MISTRAL_MARK))
+    if fmt in ("auto", "llama3_json") and text.strip()[:1] in ("", "{", "["):
+        cut = 0
+    return cut
+
+
 def _looks_like_call(value: Any) -> bool:
     return (
         isinstance(value, dict)

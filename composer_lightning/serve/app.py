@@ -1,14 +1,23 @@
 """An OpenAI-compatible chat endpoint that records every turn it serves for training.
 
 `POST /v1/chat/completions` renders the request's messages with the policy's chat template
-once, here, generates on a worker thread (the event loop keeps serving), and records choice 0
-as the session's next turn (with n > 1 the client continues one reply, and choice 0 is the one
-whose next state is looked for; the others are served, not recorded). Before that, the request
+once, here, generates (on the backend's engine thread, or a worker thread: the event loop keeps
+serving), and records every choice as the session's next turns, one group (with n > 1 the
+client continues one reply: the next request names which, and the others get an empty next
+state; a group trains together, its rewards' mean as its baseline). Before that, the request
 gives the session's previous turn its next state (`TurnStore.attach_next_state`). A session
 ends with `session_done`, or when it stays quiet for `session_timeout_s`.
 
-A client that disconnects while its reply is generated gets nothing recorded: the reply is
-dropped once the generation (which cannot be interrupted) finishes.
+With `stream`, a backend that streams (`StepBackend`, on vLLM) sends each choice's tokens as
+they are generated, holding back only what may yet be a stop string or a tool call; other
+backends send the finished reply as chunks.
+
+A client that disconnects while its reply is generated gets nothing recorded: a streaming
+backend stops its generation, another drops the reply once the generation finishes.
+
+Why this file is long: `make_app` is one closure over one app's state (backend, store,
+metrics, limits, format); a request's path through it (authorise, limit, parse, render,
+generate or stream, record) reads in order in one place, streamed or not.
 """
 
 from __future__ import annotations
@@ -38,9 +47,13 @@ from composer_lightning.serve.protocol import (
     ChatRequest,
     Choice,
     chunk_bodies,
+    chunk_body,
     completion_body,
+    end_chunks,
     new_id,
     parse_request,
+    streamable,
+    usage_chunk,
     with_tool_calls,
 )
 from composer_lightning.serve.store import TurnStore
@@ -246,28 +259,57 @@ def make_app(
                     param="session_id", code="session_forbidden",
                 )  # fmt: skip
             await run_in_threadpool(store.attach_next_state, req.session, req.messages, fmt)
-        generation = asyncio.ensure_future(
-            run_in_threadpool(backend.generate, prompt_ids, req.n, sampling)
-        )
+        opened = getattr(backend, "open", None)  # a backend that streams (`StepBackend`)
+        if callable(opened):
+            stream = opened(prompt_ids, req.n, sampling)
+            if req.stream:
+                events = _streamed(stream, req, prompt_ids, sampling)
+                return StreamingResponse(events, media_type="text/event-stream")
+            generation = asyncio.ensure_future(_finished(stream))
+        else:
+            stream = None
+            generation = asyncio.ensure_future(
+                run_in_threadpool(backend.generate, prompt_ids, req.n, sampling)
+            )
         while not (await asyncio.wait({generation}, timeout=disconnect_poll_s))[0]:
             if await request.is_disconnected():
                 metrics.disconnects += 1
+                if stream is not None:
+                    backend.cancel(stream)  # type: ignore[attr-defined]
                 generation.add_done_callback(lambda t: t.cancelled() or t.exception())
                 return Response(status_code=499)  # nobody reads it
         completions, version = generation.result()
+        served, usage = await finish(req, prompt_ids, sampling, completions, version)
+        cid = new_id()
+        if not req.stream:
+            return JSONResponse(completion_body(req, cid, served, usage, version, launch))
+        chunks = chunk_bodies(req, cid, served, usage, version, launch)
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+    async def finish(
+        req: ChatRequest,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        completions: list[Completion],
+        version: int,
+    ) -> tuple[list[Choice], dict[str, int]]:
+        """A generated reply as served (stop strings, tool calls) and its usage; the turn
+        recorded (a main turn) and the session ended when the request says so."""
         kept, choices = zip(
             *(_cut_at_stop(backend.tokenizer, c, req.stop) for c in completions), strict=True
         )
         served = [with_tool_calls(c, bool(req.tools), fmt) for c in choices]
-        first = kept[0]
         untrainable = train_sampling is not None and not _trainable(sampling, train_sampling)
         if not req.side:  # a side turn (a judge's, a summary's) is served, never recorded
+            # every choice, one group (trained together, `TurnStore.take_judged`); greedy
+            # choices are one reply n times: recorded once
+            recorded = kept if sampling.temperature > 0 else kept[:1]
             await run_in_threadpool(
-                store.record, req.session, req.messages, prompt_ids, first.token_ids,
-                choices[0].text, first.logprobs, version, req.tools,
-                "sampling" if untrainable else None, launch,
+                store.record_choices, req.session, req.messages, prompt_ids,
+                [(c.token_ids, ch.text, c.logprobs) for c, ch in zip(recorded, choices, strict=False)],
+                version, req.tools, "sampling" if untrainable else None, launch,
             )  # fmt: skip
-            metrics.turns_recorded += 1
+            metrics.turns_recorded += len(recorded)
         if req.session_done and not req.side:
             await run_in_threadpool(store.end_session, req.session)
         n_out = sum(len(c.token_ids) for c in kept)
@@ -276,19 +318,67 @@ def make_app(
             "completion_tokens": n_out,
             "total_tokens": len(prompt_ids) + n_out,
         }
-        cid = new_id()
-        if not req.stream:
-            return JSONResponse(completion_body(req, cid, served, usage, version, launch))
-        chunks = chunk_bodies(req, cid, served, usage, version, launch)
-        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        return served, usage
+
+    async def _streamed(
+        stream: Any, req: ChatRequest, prompt_ids: list[int], sampling: SamplingConfig
+    ) -> AsyncIterator[str]:
+        """Server-sent events as the engine generates: each choice's text as it comes (less
+        what may yet be a stop string or a tool call, `streamable`), then, once every choice
+        is done, the rest, the calls and the finish reasons; the turn is recorded before the
+        last event. A client that leaves stops its generation and has nothing recorded."""
+        cid, tokenizer = new_id(), backend.tokenizer
+        tokens: list[list[int]] = [[] for _ in range(req.n)]
+        sent = [""] * req.n
+        call_format = fmt if req.tools else None
+        started = False
+        try:
+            async for deltas in stream.deltas():
+                if not started:  # the version is known once the request runs
+                    started = True
+                    for i in range(req.n):
+                        role = {"role": "assistant", "content": ""}
+                        yield _event(chunk_body(req, cid, stream.version, launch, i, role))
+                for i in sorted({d.index for d in deltas}):
+                    tokens[i] += [t for d in deltas if d.index == i for t in d.token_ids]
+                    text = tokenizer.decode(tokens[i], skip_special_tokens=True)
+                    shown = streamable(text, req.stop, call_format)
+                    if len(shown) > len(sent[i]) and shown.startswith(sent[i]):
+                        delta = {"content": shown[len(sent[i]) :]}
+                        yield _event(chunk_body(req, cid, stream.version, launch, i, delta))
+                        sent[i] = shown
+            completions, version = stream.completions()
+            served, usage = await finish(req, prompt_ids, sampling, completions, version)
+        except BaseException:  # the client left (the task is cancelled), or the engine failed
+            if not stream.done:
+                metrics.disconnects += 1
+                backend.cancel(stream)  # type: ignore[attr-defined]
+            raise
+        for i, choice in enumerate(served):
+            for chunk in end_chunks(req, cid, version, launch, i, choice, sent[i]):
+                yield _event(chunk)
+        if req.include_usage:
+            yield _event(usage_chunk(req, cid, version, launch, usage))
+        yield "data: [DONE]\n\n"
 
     return app
 
 
 async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[str]:
     for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
+        yield _event(chunk)
     yield "data: [DONE]\n\n"
+
+
+def _event(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+async def _finished(stream: Any) -> tuple[list[Completion], int]:
+    """A `ReplyStream`'s samples and version once every one is done."""
+    async for _ in stream.deltas():
+        pass
+    return stream.completions()
 
 
 async def _expire_loop(store: TurnStore, timeout_s: float) -> None:

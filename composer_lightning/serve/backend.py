@@ -1,4 +1,5 @@
-"""What the serving app generates with: the `ServeBackend` protocol and `EngineBackend`.
+"""What the serving app generates with: the `ServeBackend` protocol, `EngineBackend` (any
+engine) and `StepBackend` (an engine that schedules continuously: vLLM's).
 
 `EngineBackend` wraps any `RolloutEngine`: one lock orders generations and weight pushes, so a
 push lands between two generations, never inside one, and every generation reports the weight
@@ -7,29 +8,46 @@ wait in a queue; the next free request thread takes all of them and makes one en
 kind of sampling (the engine batches their prompts), so concurrent clients share engine calls
 instead of taking turns. A seeded request runs in a call of its own: batched, the engine would
 give it another seed than it asked for.
+
+`StepBackend` wraps a `StepEngine` (`VLLMEngine`): a request joins vLLM's running batch at the
+next engine step instead of waiting for the current call to end (continuous batching), its
+tokens reach the app as each step generates them (`ReplyStream`, for `stream: true`), and a
+client that leaves has its request aborted. A push waits for the running requests to finish
+while new ones wait for the push, so every reply is sampled by one weight version. Each request
+keeps its own seed, as `generate` gives it.
+
+Why this file is long: the two backends are the two ways `serve` shares one engine among
+concurrent clients and weight pushes; their locking rules are the file's subject, side by side.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from composer_lightning.engines.base import (
     Completion,
+    Delta,
     EngineContext,
     RolloutEngine,
     SamplingConfig,
+    StepEngine,
 )
 from composer_lightning.engines.fingerprint import Fingerprint
 
 
 @runtime_checkable
 class ServeBackend(Protocol):
-    """A policy that answers one prompt at a time.
+    """A policy that answers one prompt at a time (`generate`, called from many threads at once).
+    A backend that streams also has `open(prompt_ids, n, sampling) -> ReplyStream` and
+    `cancel(stream)` (`StepBackend`); the app uses them when present.
 
     Attributes:
         tokenizer: the policy's tokenizer (its chat template renders requests once, server side).
@@ -44,6 +62,19 @@ class ServeBackend(Protocol):
     ) -> tuple[list[Completion], int]:
         """`n` completions of one prompt and the weight version that sampled all of them."""
         ...
+
+
+def engine_max_context(engine: Any) -> int | None:
+    """The most tokens (prompt + reply) a started engine takes: a transformers model's
+    `max_position_embeddings`, vLLM's `max_model_len`; None when it says neither."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    if getattr(config, "max_position_embeddings", None) is not None:
+        return int(config.max_position_embeddings)
+    vllm_config = getattr(
+        getattr(getattr(engine, "llm", None), "llm_engine", None), "model_config", None
+    )
+    length = getattr(vllm_config, "max_model_len", None)
+    return None if length is None else int(length)
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,10 +117,7 @@ class EngineBackend:
         self._pending: list[_Request] = []
         self.engine_calls = 0  # how many engine calls served the requests so far
         engine.start(context or EngineContext())
-        if max_context is None:
-            config = getattr(getattr(engine, "model", None), "config", None)
-            max_context = getattr(config, "max_position_embeddings", None)
-        self.max_context = max_context
+        self.max_context = engine_max_context(engine) if max_context is None else max_context
 
     def generate(
         self, prompt_ids: list[int], n: int, sampling: SamplingConfig
@@ -146,3 +174,229 @@ class EngineBackend:
     def weight_version(self) -> int:
         """The version the next generation samples with."""
         return self.engine.weight_version
+
+
+class ReplyStream:
+    """One request's samples as a `StepBackend` generates them: read `deltas()` (async, as
+    tokens come) or `result()` (blocking, once all are done).
+
+    Attributes:
+        version: the weight version that samples every token of it (set when it joins the
+            engine's batch; None before).
+    """
+
+    def __init__(self, request: str, prompt_ids: list[int], n: int, sampling: SamplingConfig):
+        self.request, self.prompt_ids, self.n, self.sampling = request, prompt_ids, n, sampling
+        self.version: int | None = None
+        self.cancelled = False
+        self._tokens: list[list[int]] = [[] for _ in range(n)]
+        self._logprobs: list[list[float]] = [[] for _ in range(n)]
+        self._finish: list[str | None] = [None] * n
+        self._error: BaseException | None = None
+        self._new: list[Delta] = []
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    @property
+    def done(self) -> bool:
+        return self._error is not None or all(f is not None for f in self._finish)
+
+    def _feed(self, deltas: list[Delta], error: BaseException | None = None) -> None:
+        """Called by the engine's thread: new tokens, or the error that ends the request."""
+        with self._cond:
+            for d in deltas:
+                self._tokens[d.index] += d.token_ids
+                self._logprobs[d.index] += d.logprobs
+                self._finish[d.index] = d.finish_reason
+            self._new += deltas
+            if error is not None:
+                self._error = error
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """The deltas as the engine reports them, a step's at a time; raises the engine's
+        error."""
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._cond:
+            self._waiters.append(waiter)
+        try:
+            while True:
+                with self._cond:
+                    waiter[1].clear()
+                    new, self._new, done = self._new, [], self.done
+                if new:
+                    yield new
+                if done:
+                    break
+                await waiter[1].wait()
+        finally:
+            with self._cond:
+                self._waiters.remove(waiter)
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout: float | None = None) -> tuple[list[Completion], int]:
+        """Every sample, once done, and the version that sampled them (blocks)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.request} not done within {timeout} s")
+        return self.completions()
+
+    def completions(self) -> tuple[list[Completion], int]:
+        """The samples so far (all of them once `done`) and their version."""
+        if self._error is not None:
+            raise self._error
+        assert self.version is not None
+        return [
+            Completion(list(t), list(lp), f or "length")  # type: ignore[arg-type]
+            for t, lp, f in zip(self._tokens, self._logprobs, self._finish, strict=True)
+        ], self.version
+
+
+class StepBackend:
+    """A `ServeBackend` over a `StepEngine` (vLLM's continuous scheduler): requests join the
+    running batch between engine steps, and their tokens stream as they are generated.
+
+    One thread owns the engine: it adds the requests that arrived, runs a step, hands each
+    request its new tokens, and repeats while any request runs. A weight push waits until the
+    running requests finish (new ones wait meanwhile), loads the weights, then lets the waiting
+    ones in: every reply is sampled by one weight version, the one its `version` names, so its
+    log-probs are those of a known policy (pushing between two steps of a running reply would
+    mix two).
+
+    Args:
+        engine: a started or startable `StepEngine` (`VLLMEngine`).
+        tokenizer: the policy's tokenizer.
+        context: where the engine runs; None: a single CPU process.
+        max_context: the model's context length; None: the engine's `max_position_embeddings`.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        context: EngineContext | None = None,
+        max_context: int | None = None,
+    ) -> None:
+        if not isinstance(engine, StepEngine):
+            raise TypeError(
+                f"StepBackend needs an engine with add/step/abort (vLLM's); got "
+                f"{type(engine).__name__} (serve it with EngineBackend)"
+            )
+        self.engine, self.tokenizer = engine, tokenizer
+        engine.start(context or EngineContext())
+        self.max_context = engine_max_context(engine) if max_context is None else max_context
+        self.engine_steps = 0  # steps run so far
+        self._cond = threading.Condition()
+        self._waiting: list[ReplyStream] = []
+        self._running: dict[str, ReplyStream] = {}
+        self._pushes = 0  # pushes waiting for the running requests to finish
+        self._closed = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="composer-engine", daemon=True)
+        self._thread.start()
+
+    def open(self, prompt_ids: list[int], n: int, sampling: SamplingConfig) -> ReplyStream:
+        """Queue a request; its samples stream from the returned `ReplyStream`."""
+        stream = ReplyStream(f"r{next(self._ids)}", list(prompt_ids), n, sampling)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the backend is closed")
+            self._waiting.append(stream)
+            self._cond.notify_all()
+        return stream
+
+    def generate(
+        self, prompt_ids: list[int], n: int, sampling: SamplingConfig
+    ) -> tuple[list[Completion], int]:
+        return self.open(prompt_ids, n, sampling).result()
+
+    def cancel(self, stream: ReplyStream) -> None:
+        """Stop generating `stream` (its client left); the engine's thread aborts it."""
+        with self._cond:
+            stream.cancelled = True
+            self._cond.notify_all()
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> Fingerprint | None:
+        """Load new weights once the running requests are done (requests arriving meanwhile
+        wait); returns the engine's fingerprint of them, read before any generation runs."""
+        with self._cond:
+            self._pushes += 1
+            try:
+                self._cond.wait_for(lambda: not self._running)
+                self.engine.load_weights(weights, version)
+                read = getattr(self.engine, "weight_fingerprint", None)
+                return read() if callable(read) else None
+            finally:
+                self._pushes -= 1
+                self._cond.notify_all()
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def close(self) -> None:
+        """Stop the engine's thread (requests still running get an error)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: (
+                        self._closed
+                        or bool(self._running)
+                        or (bool(self._waiting) and not self._pushes)
+                    )
+                )
+                if self._closed:
+                    for stream in [*self._waiting, *self._running.values()]:
+                        stream._feed([], RuntimeError("the backend closed"))
+                    return
+                admit = [] if self._pushes else self._waiting
+                if admit:
+                    self._waiting = []
+                running = dict(self._running)
+            for stream in admit:  # the engine is this thread's alone from here
+                try:
+                    if not stream.cancelled:
+                        self.engine.add(
+                            stream.request, stream.prompt_ids, stream.n, stream.sampling
+                        )
+                        stream.version = self.engine.weight_version
+                        running[stream.request] = stream
+                except Exception as exc:  # a bad request fails alone
+                    stream._feed([], exc)
+            for request, stream in list(running.items()):
+                if stream.cancelled:
+                    del running[request]
+                    stream._feed([], ConnectionAbortedError(f"request {request} cancelled"))
+                    with contextlib.suppress(Exception):  # one that just finished is gone
+                        self.engine.abort(request, stream.n)
+            if running:
+                try:
+                    deltas = self.engine.step()
+                    self.engine_steps += 1
+                except Exception as exc:  # the step's error is every running request's
+                    for stream in running.values():
+                        stream._feed([], exc)
+                    running.clear()
+                    deltas = []
+                by_request: dict[str, list[Delta]] = {}
+                for d in deltas:
+                    by_request.setdefault(d.request, []).append(d)
+                for request, ds in by_request.items():
+                    if request in running:
+                        running[request]._feed(ds)
+                for request in [r for r, s in running.items() if s.done]:
+                    del running[request]
+            with self._cond:
+                self._running = running
+                self._cond.notify_all()

@@ -18,7 +18,7 @@ from typing import Any
 
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 
-from composer_lightning.chat.tool_calls import split_reply
+from composer_lightning.chat.tool_calls import call_start, may_begin, split_reply
 
 SESSION_HEADER = "x-session-id"
 SESSION_DONE_HEADER = "x-session-done"
@@ -304,20 +304,74 @@ def chunk_bodies(
 ) -> list[dict[str, Any]]:
     """The `chat.completion.chunk` objects of a finished reply: per choice its role, its text,
     its finish reason; then the usage when asked for (`stream_options.include_usage`)."""
-    head = _head(req, cid, "chat.completion.chunk", version, launch)
-
-    def chunk(i: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {**head, "choices": [choice], **({"usage": None} if req.include_usage else {})}
-
     out = []
     for i, c in enumerate(choices):
-        out.append(chunk(i, {"role": "assistant", "content": ""}, None))
-        if c.text:
-            out.append(chunk(i, {"content": c.text}, None))
-        for k, call in enumerate(c.tool_calls or []):  # OpenAI's delta form, one call a chunk
-            out.append(chunk(i, {"tool_calls": [{"index": k, **call}]}, None))
-        out.append(chunk(i, {}, c.finish_reason))
+        out.append(chunk_body(req, cid, version, launch, i, {"role": "assistant", "content": ""}))
+        out += end_chunks(req, cid, version, launch, i, c, sent="")
     if req.include_usage:
-        out.append({**head, "choices": [], "usage": usage})
+        out.append(usage_chunk(req, cid, version, launch, usage))
     return out
+
+
+def chunk_body(
+    req: ChatRequest,
+    cid: str,
+    version: int,
+    launch: int,
+    index: int,
+    delta: dict[str, Any],
+    finish: str | None = None,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk`: choice `index`'s `delta` (and its finish reason)."""
+    head = _head(req, cid, "chat.completion.chunk", version, launch)
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {**head, "choices": [choice], **({"usage": None} if req.include_usage else {})}
+
+
+def end_chunks(
+    req: ChatRequest, cid: str, version: int, launch: int, index: int, c: Choice, sent: str
+) -> list[dict[str, Any]]:
+    """A choice's last chunks once it is done, after `sent` (the text already streamed, a
+    prefix of its content): the rest of its text, its calls (OpenAI's delta form, one call a
+    chunk), its finish reason."""
+    out = []
+    text = c.text or ""
+    if text.startswith(sent):
+        rest = text[len(sent) :]
+    else:  # the content came back stripped (a reply with calls): what follows what was sent
+        rest = text[len(sent.strip()) :] if text.startswith(sent.strip()) else ""
+    if rest:
+        out.append(chunk_body(req, cid, version, launch, index, {"content": rest}))
+    for k, call in enumerate(c.tool_calls or []):
+        out.append(
+            chunk_body(req, cid, version, launch, index, {"tool_calls": [{"index": k, **call}]})
+        )
+    out.append(chunk_body(req, cid, version, launch, index, {}, c.finish_reason))
+    return out
+
+
+def usage_chunk(
+    req: ChatRequest, cid: str, version: int, launch: int, usage: dict[str, int]
+) -> dict[str, Any]:
+    """The last chunk when `stream_options.include_usage` asks for it."""
+    return {
+        **_head(req, cid, "chat.completion.chunk", version, launch),
+        "choices": [],
+        "usage": usage,
+    }
+
+
+def streamable(text: str, stops: list[str], call_format: str | None) -> str:
+    """How much of a reply's text so far may be streamed: none of an incomplete character
+    (a trailing U+FFFD), nothing from where a stop string begins or may begin, and, when the
+    request offered tools (`call_format`: the format calls are read in), nothing from where a
+    call begins or may begin, nor trailing whitespace (a reply with calls is served stripped).
+    What is held back is sent, or dropped, when the reply is done (`end_chunks`)."""
+    text = text.rstrip("\ufffd")
+    cut = len(text)
+    for stop in stops:
+        cut = min(cut, may_begin(text, stop))
+    if call_format is None:
+        return text[:cut]
+    cut = min(cut, call_start(text, call_format))
+    return text[:cut].rstrip()

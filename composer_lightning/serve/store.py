@@ -100,6 +100,8 @@ class Turn:
         claimant: who is judging it (or judged it). reward, hint: the judge's verdict.
         drop_reason: why it was dropped ("stale", "judge_failed", or a judge's reason).
         attempts: judge calls that failed on it (`release`).
+        group_id, choice: the choices of one request with `n` > 1 form a group (`group`: the
+            id of its choice 0; None for choice 0 itself) trained together (`take_judged`).
     """
 
     id: int
@@ -122,6 +124,13 @@ class Turn:
     drop_reason: str | None
     attempts: int = 0
     launch: int = 0
+    group_id: int | None = None
+    choice: int = 0
+
+    @property
+    def group(self) -> int:
+        """The id shared by the choices of one request (`n` > 1): the first choice's id."""
+        return self.id if self.group_id is None else self.group_id
 
 
 #: columns added after the first stores were written: (name, definition), added on open
@@ -129,6 +138,8 @@ _ADDED_COLUMNS = (
     ("attempts", "INTEGER NOT NULL DEFAULT 0"),
     ("retry_at", "REAL"),
     ("launch", "INTEGER NOT NULL DEFAULT 0"),
+    ("group_id", "INTEGER"),
+    ("choice", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 
@@ -205,35 +216,62 @@ class TurnStore:
 
         `drop_reason`: the turn is recorded as dropped for this reason, in the same transaction
         (a turn that must not be trained on is never, even for an instant, trainable)."""
-        if len(logprobs) != len(response_ids):
-            raise ValueError(
-                f"record: {len(logprobs)} log-probs for {len(response_ids)} response tokens"
-            )
+        (turn_id,) = self.record_choices(
+            session, messages, prompt_ids, [(response_ids, response_text, logprobs)], version,
+            tools, drop_reason, launch,
+        )  # fmt: skip
+        return turn_id
+
+    def record_choices(
+        self,
+        session: str,
+        messages: list[dict[str, Any]],
+        prompt_ids: list[int],
+        choices: list[tuple[list[int], str, list[float]]],
+        version: int,
+        tools: list[dict[str, Any]] | None = None,
+        drop_reason: str | None = None,
+        launch: int = 0,
+    ) -> list[int]:
+        """Store the n choices of one request (`(response_ids, text, logprobs)` each) as the
+        session's next turns, one group (`Turn.group`), in one transaction; their ids."""
+        for ids, _, logprobs in choices:
+            if len(logprobs) != len(ids):
+                raise ValueError(
+                    f"record: {len(logprobs)} log-probs for {len(ids)} response tokens"
+                )
         with self._write() as db:
             (last,) = db.execute(
                 "SELECT MAX(turn_index) FROM turns WHERE session = ?", (session,)
             ).fetchone()
-            cur = db.execute(
-                "INSERT INTO turns (session, turn_index, messages, tools, prompt_ids, "
-                "response_ids, response_text, logprobs, version, created, state, drop_reason, "
-                "launch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    session,
-                    0 if last is None else last + 1,
-                    json.dumps(messages),
-                    None if tools is None else json.dumps(tools),
-                    json.dumps([int(t) for t in prompt_ids]),
-                    json.dumps([int(t) for t in response_ids]),
-                    response_text,
-                    json.dumps([float(x) for x in logprobs]),
-                    int(version),
-                    time.time(),
-                    "recorded" if drop_reason is None else "dropped",
-                    drop_reason,
-                    int(launch),
-                ),
-            )
-            return int(cur.lastrowid)
+            first = 0 if last is None else last + 1
+            out: list[int] = []
+            for j, (response_ids, response_text, logprobs) in enumerate(choices):
+                cur = db.execute(
+                    "INSERT INTO turns (session, turn_index, messages, tools, prompt_ids, "
+                    "response_ids, response_text, logprobs, version, created, state, "
+                    "drop_reason, launch, group_id, choice) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        session,
+                        first + j,
+                        json.dumps(messages),
+                        None if tools is None else json.dumps(tools),
+                        json.dumps([int(t) for t in prompt_ids]),
+                        json.dumps([int(t) for t in response_ids]),
+                        response_text,
+                        json.dumps([float(x) for x in logprobs]),
+                        int(version),
+                        time.time(),
+                        "recorded" if drop_reason is None else "dropped",
+                        drop_reason,
+                        int(launch),
+                        out[0] if out else None,
+                        j,
+                    ),
+                )
+                out.append(int(cur.lastrowid))
+            return out
 
     def begin_launch(self, parent: int | None, start_version: int) -> int:
         """Record a start of the run, from weight version `start_version`, resumed from a
@@ -281,7 +319,7 @@ class TurnStore:
 
         with self._write() as db:
             rows = db.execute(
-                "SELECT id, messages, response_text FROM turns "
+                "SELECT id, messages, response_text, group_id FROM turns "
                 "WHERE session = ? AND state = 'recorded' ORDER BY turn_index DESC",
                 (session,),
             ).fetchall()
@@ -299,6 +337,14 @@ class TurnStore:
                     "UPDATE turns SET state = 'ready', next_state = ?, ready_reason = 'next' "
                     "WHERE id = ?",
                     (json.dumps(messages[k + 1 :]), row["id"]),
+                )
+                # the request's other choices: the client went on with this one
+                group = row["id"] if row["group_id"] is None else row["group_id"]
+                db.execute(
+                    "UPDATE turns SET state = 'ready', next_state = '[]', "
+                    "ready_reason = 'not_continued' WHERE state = 'recorded' "
+                    "AND (id = ? OR group_id = ?)",
+                    (group, group),
                 )
                 return int(row["id"])
             return None
@@ -420,6 +466,10 @@ class TurnStore:
     ) -> list[Turn]:
         """Hand up to `limit` judged turns to training, oldest first, marking them `trained`.
 
+        The choices of one request (a group) go together, once none of them waits for its
+        judge (members dropped meanwhile are left out); a group is never split, and one larger
+        than `limit` is handed over alone.
+
         Args:
             limit: the most turns returned (≥ 1).
             min_version: judged turns sampled by an older weight version are dropped as "stale"
@@ -443,12 +493,7 @@ class TurnStore:
                 db.executemany(
                     "UPDATE turns SET state = 'dropped', drop_reason = 'stale' WHERE id = ?", old
                 )
-            ids = [
-                r[0]
-                for r in db.execute(
-                    "SELECT id FROM turns WHERE state = 'judged' ORDER BY id LIMIT ?", (limit,)
-                )
-            ]
+            ids = self._whole_groups(db, limit)
             db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in ids])
             return self._turns(db, ids)
 
@@ -490,6 +535,32 @@ class TurnStore:
             out[f"dropped/{row[0]}"] = row[1]
         out["sessions"] = self._read("SELECT COUNT(DISTINCT session) FROM turns")[0][0]
         return out
+
+    @staticmethod
+    def _whole_groups(db: sqlite3.Connection, limit: int) -> list[int]:
+        """Ids of the oldest judged turns, whole groups only, at most `limit` (or one group)."""
+        rows = db.execute(
+            "SELECT id, COALESCE(group_id, id) AS g FROM turns WHERE state = 'judged' ORDER BY id"
+        ).fetchall()
+        waiting = {
+            int(r[0])
+            for r in db.execute(
+                "SELECT DISTINCT COALESCE(group_id, id) FROM turns "
+                "WHERE state IN ('recorded', 'ready', 'judging')"
+            )
+        }
+        groups: dict[int, list[int]] = {}
+        for r in rows:
+            if int(r[1]) not in waiting:
+                groups.setdefault(int(r[1]), []).append(int(r[0]))
+        ids: list[int] = []
+        for members in groups.values():
+            if ids and len(ids) + len(members) > limit:
+                break
+            ids += members
+            if len(ids) >= limit:
+                break
+        return ids
 
     @staticmethod
     def _turns(db: sqlite3.Connection, ids: list[int]) -> list[Turn]:

@@ -10,7 +10,8 @@ timeout): the turn goes to the score and hint providers as an episode's turn doe
 `(context, turn, next state)`, `dispatch.turn_problem` — and the verdict (a score and/or a
 hint) is stored; a turn with neither is dropped (the fourth dispatch path). Each optimizer step
 takes `batch_size` judged turns, oldest first: one sample each (G = 1, OpenClaw-RL's reward
-broadcast: no group baseline), its hinted teacher context built as for any turn, and each with
+broadcast: no group baseline; the n choices of one request with n > 1 go together as one group,
+their mean reward its baseline), its hinted teacher context built as for any turn, and each with
 its own weight version — turns more than `max_staleness` optimizer steps from the trained
 weights are dropped (counted; across restarts the steps are counted through the version tree,
 `lineage.py`), the rest are importance-corrected per token against their engine log-probs
@@ -44,7 +45,13 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from composer_lightning.chat.tool_calls import check_format
-from composer_lightning.engines.base import Completion, EngineContext, RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import (
+    Completion,
+    EngineContext,
+    RolloutEngine,
+    SamplingConfig,
+    StepEngine,
+)
 from composer_lightning.engines.fingerprint import FingerprintRecorder
 from composer_lightning.models.weights import iter_hf_weights
 from composer_lightning.protocols.batch import RolloutBatch
@@ -163,7 +170,7 @@ class ServeCallback(RolloutCallback):
         restores a checkpoint (the weights, and this callback's `load_state_dict`) after
         `setup`, so only then are the turns a lost step took known, and the weights to serve
         pushed."""
-        from composer_lightning.serve.backend import EngineBackend
+        from composer_lightning.serve.backend import EngineBackend, StepBackend
         from composer_lightning.serve.store import TurnStore
 
         if trainer.world_size > 1:
@@ -172,7 +179,9 @@ class ServeCallback(RolloutCallback):
             )
         super().setup(trainer, pl_module, stage)  # temperature, engine start
         tokenizer = trainer.datamodule.tokenizer
-        self.backend = EngineBackend(self.engine, tokenizer, context=EngineContext.current())
+        # vLLM schedules continuously and streams; other engines share calls (`backend.py`)
+        kind = StepBackend if isinstance(self.engine, StepEngine) else EngineBackend
+        self.backend = kind(self.engine, tokenizer, context=EngineContext.current())
         self.store = TurnStore(store_file(trainer, self.store_path))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -224,6 +233,9 @@ class ServeCallback(RolloutCallback):
         if self.store is not None:
             self.store.close()
             self.store = None
+        close = getattr(self.backend, "close", None)
+        if callable(close):  # a StepBackend's engine thread
+            close()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close()
@@ -376,8 +388,9 @@ class ServeCallback(RolloutCallback):
         return [distance(launches, here, (t.launch, t.version)) for t in turns]
 
     def samples(self, turns: list[Any], tokenizer: Any, version: int) -> RolloutBatch:
-        """The rollout batch of judged `turns` for a step at policy `version`: one sample (and
-        group) each, with its engine log-probs and, for a hinted turn, its teacher context.
+        """The rollout batch of judged `turns` for a step at policy `version`: one sample each
+        (a group of one: OpenClaw-RL's reward broadcast; the n choices of one request: one
+        group, whose mean reward is their baseline), with its engine log-probs and, for a hinted turn, its teacher context.
         The batch is stamped `version` minus its farthest turn's distance: on policy only when
         every turn was sampled by these very weights, else importance-corrected row by row
         against the engine log-probs; the rows these weights sampled are marked
@@ -393,7 +406,7 @@ class ServeCallback(RolloutCallback):
         rb = pack_samples(
             rows,
             rewards=[t.reward for t in turns],
-            group_ids=list(range(len(turns))),
+            group_ids=_group_ids(turns),
             pad_id=tokenizer.pad_token_id or 0,
             max_response_length=self.sampling.max_tokens,
             engine_logprobs=[[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in turns],
@@ -414,6 +427,12 @@ class ServeCallback(RolloutCallback):
         self._trained = list(state_dict.get("trained", []))
         self._restored_trained = list(self._trained)
         self._parent_launch = state_dict.get("launch")  # None: a checkpoint of an older release
+
+
+def _group_ids(turns: list[Any]) -> list[int]:
+    """0, 1, ... per group of `turns` (the choices of one request share one; `Turn.group`)."""
+    index: dict[int, int] = {}
+    return [index.setdefault(t.group, len(index)) for t in turns]
 
 
 def store_file(trainer: L.Trainer, store: str | None) -> str:

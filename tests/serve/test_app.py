@@ -147,7 +147,7 @@ def test_models_lists_the_served_model(served):
         served.client.models.retrieve("other")
 
 
-def test_stream_sends_openai_chunks_and_records_the_turn(served):
+def test_stream_sends_openai_chunks_and_records_every_choice_as_one_group(served):
     stream = _chat(
         served, "streamed", [{"role": "user", "content": "s"}], n=2, stream=True,
         stream_options={"include_usage": True},
@@ -159,10 +159,19 @@ def test_stream_sends_openai_chunks_and_records_the_turn(served):
             text[c.index] += c.delta.content or ""
             finish[c.index] = c.finish_reason or finish.get(c.index)
         usage = chunk.usage or usage
-    (turn,) = served.store.session_turns("streamed")  # with n > 1 choice 0 is the turn
-    assert text[0] == turn.response_text
+    turns = served.store.session_turns("streamed")  # every choice, one group
+    assert [t.response_text for t in turns] == [text[0], text[1]]
+    assert [t.group for t in turns] == [turns[0].id] * 2 and [t.choice for t in turns] == [0, 1]
     assert set(finish.values()) <= {"stop", "length"} and len(finish) == 2
-    assert usage.prompt_tokens == len(turn.prompt_ids)
+    assert usage.prompt_tokens == len(turns[0].prompt_ids)
+    # the client goes on with choice 1: it gets the next state, choice 0 an empty one
+    _chat(served, "streamed", [
+        {"role": "user", "content": "s"}, {"role": "assistant", "content": text[1]},
+        {"role": "user", "content": "more"},
+    ])  # fmt: skip
+    first, second, _ = served.store.session_turns("streamed")
+    assert (second.ready_reason, second.next_state) == ("next", [{"role": "user", "content": "more"}])  # fmt: skip
+    assert (first.ready_reason, first.next_state) == ("not_continued", [])
     raw = _post(served, _ok_body(stream=True), {"X-Session-Id": "raw-stream"})
     assert raw.headers["content-type"].startswith("text/event-stream")
     events = [line for line in raw.text.split("\n\n") if line]

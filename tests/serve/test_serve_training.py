@@ -257,6 +257,10 @@ def test_a_step_drops_stale_turns_and_stamps_the_batch_with_its_oldest_version(t
     current = cb.store.get(cb.store.record("s6", messages, prompt, [29, 1], "3", [-0.5, -0.1], 6))
     rb = cb.samples([current, *turns], tok, version=6)
     assert rb.on_policy_rows.tolist() == [True, False, False] and rb.policy_version == 3
+    # the n choices of one request: one group in the batch (their mean reward the baseline)
+    choices = [([29, 1], "3", [-0.5, -0.1]), ([30], "4", [-0.2])]
+    group = [cb.store.get(i) for i in cb.store.record_choices("s7", messages, prompt, choices, 6)]
+    assert cb.samples([current, *group], tok, version=6).group_ids.tolist() == [0, 1, 1]
 
 
 def test_dispatch_dropped_counts_the_step_not_the_store():

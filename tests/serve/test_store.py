@@ -254,3 +254,45 @@ def test_launch_ids_are_never_reused_and_keep_their_parent(tmp_path):
     assert store.launches() == {1: (None, 0), 2: (1, 10), 3: (1, 10)}
     turn = store.record("s", [USER], [1], [2], "r", [-1.0], 11, launch=third)
     assert store.get(turn).launch == 3
+
+
+def test_the_choices_of_one_request_are_one_group_judged_apart_and_trained_together(tmp_path):
+    """n = 3 choices: three turns of one group; the next request continues choice 1, which gets
+    the next state while 0 and 2 get an empty one ("not_continued"); training takes the group
+    only once none of it waits for a judge, whole (never split by `limit`), without the
+    members dropped meanwhile."""
+    store = TurnStore(tmp_path / "turns.db")
+    choices = [([3, 4], text, [-0.5, -0.25]) for text in ("a", "b", "c")]
+    ids = store.record_choices("s", [USER], [1, 2], choices, 0)
+    alone = _record(store, "t", [USER], "solo")
+    turns = store.session_turns("s")
+    assert [t.group for t in turns] == [ids[0]] * 3 and [t.choice for t in turns] == [0, 1, 2]
+    assert [t.turn_index for t in turns] == [0, 1, 2]
+    follow = [USER, {"role": "assistant", "content": "b"}, {"role": "user", "content": "ok"}]
+    assert store.attach_next_state("s", follow) == ids[1]
+    got = {t.id: (t.state, t.next_state, t.ready_reason) for t in store.session_turns("s")}
+    assert got[ids[1]] == ("ready", [{"role": "user", "content": "ok"}], "next")
+    assert got[ids[0]] == got[ids[2]] == ("ready", [], "not_continued")
+    store.end_session("t")
+    claimed = store.claim_ready(10, claimant="j")
+    for t in claimed:
+        if t.id != ids[2]:
+            store.set_judged(t.id, 1.0, None, claimant="j")
+    # choice 2 still judging: its group waits, the turn of session t does not
+    assert [t.id for t in store.take_judged(10)] == [alone]
+    store.drop(ids[2], "no signal", claimant="j")
+    assert [t.id for t in store.take_judged(1)] == [ids[0], ids[1]]  # whole, over the limit
+
+
+def test_take_judged_never_splits_a_group_to_fill_a_batch(tmp_path):
+    store = TurnStore(tmp_path / "turns.db")
+    first = _record(store, "a", [USER], "x")
+    group = store.record_choices("b", [USER], [1, 2], [([3], "y", [-0.1])] * 2, 0)
+    last = _record(store, "c", [USER], "z")
+    for session in "abc":
+        store.end_session(session)
+    for t in store.claim_ready(10, claimant="j"):
+        store.set_judged(t.id, 0.5, None, claimant="j")
+    assert [t.id for t in store.take_judged(2)] == [first]  # the group would not fit
+    assert [t.id for t in store.take_judged(2)] == group
+    assert [t.id for t in store.take_judged(2)] == [last]
