@@ -1,20 +1,14 @@
-"""The LLM judge against a real OpenAI-compatible server: `vllm serve` of the tiny policy on CPU,
-started on a free local port for this module and stopped after it."""
+"""The LLM judge against a real OpenAI-compatible server: vLLM's own server of the tiny policy on
+CPU (`VLLMServer`), started on a free local port for this module and stopped after it."""
 
 from __future__ import annotations
-
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
 
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, OpenAIEngine, SamplingConfig
+from composer_lightning.engines.vllm_server import VLLMServer
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.models.tiny import tiny_policy_path
@@ -26,66 +20,11 @@ from tests.helpers import quiet_trainer
 pytestmark = pytest.mark.vllm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm_serve") / "server.log"
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_NO_USAGE_STATS="1",
-        HF_HUB_OFFLINE="1",
-    )
-    # the `vllm` console script looks up the distribution "vllm"; vllm-cpu's is "vllm-cpu"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        tiny_policy_path(),
-        "--served-model-name",
-        "tiny-judge",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--no-enable-chunked-prefill",  # seeded requests on CPU (engines/vllm.py)
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-    ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"vllm serve did not answer within 300 s:\n{log.read_text()[-3000:]}")
-        time.sleep(1)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def server():
+    """vLLM's own OpenAI server, as `VLLMServer` starts it (the command that works on CPU)."""
+    with VLLMServer(tiny_policy_path(), name="tiny-judge", threads=1, max_model_len=256) as s:
+        yield s.url
 
 
 def test_served_judge_votes_through_a_real_server(server) -> None:
