@@ -295,6 +295,7 @@ class StepBackend:
         self._waiting: list[ReplyStream] = []
         self._running: dict[str, ReplyStream] = {}
         self._pushes = 0  # pushes waiting for the running requests to finish
+        self._busy = False  # the engine thread is adding, stepping or aborting
         self._closed = False
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="composer-engine", daemon=True)
@@ -327,7 +328,7 @@ class StepBackend:
         with self._cond:
             self._pushes += 1
             try:
-                self._cond.wait_for(lambda: not self._running)
+                self._cond.wait_for(lambda: not self._running and not self._busy)
                 self.engine.load_weights(weights, version)
                 read = getattr(self.engine, "weight_fingerprint", None)
                 return read() if callable(read) else None
@@ -364,6 +365,7 @@ class StepBackend:
                 if admit:
                     self._waiting = []
                 running = dict(self._running)
+                self._busy = True  # the engine is this thread's until the end of the round
             for stream in admit:  # the engine is this thread's alone from here
                 try:
                     if not stream.cancelled:
@@ -398,5 +400,5 @@ class StepBackend:
                 for request in [r for r, s in running.items() if s.done]:
                     del running[request]
             with self._cond:
-                self._running = running
+                self._running, self._busy = running, False
                 self._cond.notify_all()

@@ -149,13 +149,20 @@ def test_a_request_joins_the_running_batch_between_steps(stepped):
     assert engine.events.index(("done", first.request)) < engine.events.index(("done", second.request))  # fmt: skip
 
 
-def test_a_push_waits_for_the_running_replies_and_new_requests_wait_for_the_push(stepped):
-    """Pushed while a reply runs: the weights load only after its last token, a request sent
-    meanwhile joins only after the load and reports the new version: no reply mixes two."""
+@pytest.mark.parametrize("during_first_step", [False, True])
+def test_a_push_waits_for_the_running_replies_and_new_requests_wait_for_the_push(
+    stepped, during_first_step
+):
+    """Pushed while a reply runs (after its first step, or during it: the request has just
+    joined): the weights load only after its last token, a request sent meanwhile joins only
+    after the load and reports the new version: no reply mixes two, no step meets a load."""
     engine, backend, gate, tok = stepped
     running = backend.open(_prompt(tok), 1, LONG)
-    gate.release()
-    _wait(lambda: backend.engine_steps == 1, "the first step")
+    if during_first_step:
+        _wait(lambda: engine.gated_steps == 1, "the first step under way")
+    else:
+        gate.release()
+        _wait(lambda: backend.engine_steps == 1, "the first step")
     weights = list(engine.hf.model.state_dict().items())
     pushed = threading.Thread(target=backend.push, args=(weights, 1))
     pushed.start()
