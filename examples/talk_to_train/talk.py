@@ -2,6 +2,9 @@
 
     python examples/talk_to_train/talk.py                 # starts the server itself
     python examples/talk_to_train/talk.py --url http://127.0.0.1:8000/v1   # a running one
+    # SmolLM2 on vLLM, asked chat sums checked on the reply's final number:
+    python examples/talk_to_train/talk.py --config configs/serve_smollm2_cpu.yaml \
+        --task chat_arithmetic
 
 Two scripted users ask arithmetic questions in two concurrent sessions. Each answer gets a
 reply, the answer's *next state*, as a person would write it: "Correct." when it is right, "No,
@@ -31,9 +34,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from composer_lightning.rollout.validation import is_heldout  # noqa: E402
-from composer_lightning.tasks.arithmetic import Arithmetic  # noqa: E402
+from composer_lightning.tasks.registry import get_task  # noqa: E402
 
 MODEL = "policy"
+TASK = {"name": "arithmetic"}  # the task whose questions the users ask (`--task`)
+
+
+def the_task():
+    """The task the users ask and check (`--task`)."""
+    return get_task(TASK["name"])
 
 
 def version(response) -> int:
@@ -52,7 +61,7 @@ def ask(client, messages, session, done=False, **kwargs):
 
 def accuracy(client, problems, session="eval") -> float:
     """Greedy answers to `problems`, scored by the task's verifier."""
-    task, right = Arithmetic(), 0
+    task, right = the_task(), 0
     for i, p in enumerate(problems):
         r = ask(client, p["messages"], f"{session}-{i}", done=True, temperature=0.0)
         right += task.verify(p, r.choices[0].message.content or "").reward == 1.0
@@ -61,7 +70,7 @@ def accuracy(client, problems, session="eval") -> float:
 
 def reply(problem, answer: str, n: int) -> str:
     """The user's reply to `answer`: its next state (four kinds, as people write them)."""
-    verdict = Arithmetic().verify(problem, answer)
+    verdict = the_task().verify(problem, answer)
     if verdict.reward == 1.0:
         return "Ok." if n % 5 == 4 else "Correct, thanks."
     if n % 4 == 3:
@@ -72,7 +81,7 @@ def reply(problem, answer: str, n: int) -> str:
 def user(client, name: str, seed: int, until: int, log: list) -> None:
     """One scripted user: sessions of one question, its answer, the reply, until the served
     weights reach version `until`."""
-    rng, task, n = random.Random(seed), Arithmetic(), 0
+    rng, task, n = random.Random(seed), the_task(), 0
     while True:
         problem = task.sample(rng)
         if is_heldout(problem, 0.2):
@@ -92,10 +101,9 @@ def user(client, name: str, seed: int, until: int, log: list) -> None:
             return
 
 
-def start_server(workdir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(workdir: str, extra: list[str], config: str) -> tuple[subprocess.Popen, str]:
     cmd = [
-        sys.executable, "-m", "composer_lightning", "serve",
-        "--config", str(ROOT / "configs" / "serve_cpu.yaml"),
+        sys.executable, "-m", "composer_lightning", "serve", "--config", config,
         f"--trainer.default_root_dir={workdir}",
         f"--trainer.logger.init_args.save_dir={workdir}",
         f"--rollout.init_args.store={workdir}/turns.sqlite", *extra,
@@ -121,17 +129,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=30, help="training steps to talk for")
     ap.add_argument("--heldout", type=int, default=64, help="held-out questions scored")
     ap.add_argument("--server-arg", action="append", default=[], help="extra serve arguments")
+    ap.add_argument(
+        "--config", default=str(ROOT / "configs" / "serve_cpu.yaml"), help="the server's config"
+    )
+    ap.add_argument(
+        "--task", default="arithmetic",
+        help="the task the users ask and check (chat_arithmetic for a real chat model: "
+        "checked on the reply's final number)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    TASK["name"] = args.task
     import openai
 
     proc, tmp = None, None
     url = args.url
     if url is None:
         tmp = tempfile.mkdtemp(prefix="talk_to_train_")
-        proc, url = start_server(tmp, args.server_arg)
+        proc, url = start_server(tmp, args.server_arg, args.config)
     client = openai.OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
     try:
-        rng, task, held = random.Random(123), Arithmetic(), []
+        rng, task, held = random.Random(123), the_task(), []
         while len(held) < args.heldout:
             p = task.sample(rng)
             if is_heldout(p, 0.2) and p["messages"] not in [h["messages"] for h in held]:
