@@ -98,6 +98,22 @@ def _host_state_preserved() -> Iterator[None]:
         os.environ.update(environ)
 
 
+@contextmanager
+def _rng_preserved() -> Iterator[None]:
+    """Save and restore the global torch RNG, which vLLM's sampler draws from: what a step
+    changes. Narrower than `_host_state_preserved` on purpose: steps run on `serve`'s engine
+    thread beside the trainer and the HTTP threads, which must never see `os.environ` cleared
+    for a moment."""
+    torch_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
 @torch.no_grad()
 def _model_fingerprint(model: torch.nn.Module) -> Fingerprint:
     """Runs in the vLLM worker: the fingerprint of the model's readable parameters."""
@@ -353,7 +369,7 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         seed = resolve_seed(sampling, self._rng)
-        with _host_state_preserved():
+        with _rng_preserved():
             for j in range(n):
                 params = self._params(sampling, 1, seed + j, output_kind=RequestOutputKind.DELTA)
                 self.llm.llm_engine.add_request(
@@ -362,7 +378,7 @@ class VLLMEngine:
 
     def step(self) -> list[Delta]:
         """One step of vLLM's scheduler: the tokens each running sample generated."""
-        with _host_state_preserved():  # vLLM's sampler draws from the global torch RNG
+        with _rng_preserved():  # vLLM's sampler draws from the global torch RNG
             outputs = self.llm.llm_engine.step()
         deltas = []
         for out in outputs:

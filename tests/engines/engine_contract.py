@@ -251,6 +251,7 @@ def check_step_stream(engine, policy) -> dict:
     reports nothing more."""
     sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=12, seed=31)
     alone = [engine.generate([p], 2, sampling)[0] for p in PROMPTS]
+    before = host_snapshot()
     got: dict = {}
     engine.add("late-abort", PROMPTS[1], 1, sampling)
     engine.add("p0", PROMPTS[0], 2, sampling)
@@ -277,6 +278,7 @@ def check_step_stream(engine, policy) -> dict:
         ):
             break
     assert got[("late-abort", 0)][2] is None and len(got[("late-abort", 0)][0]) <= 2
+    assert not host_changes(before), host_changes(before)  # the RNG, threads, environment
     for i, prompt in enumerate(PROMPTS):
         for j in range(2):
             tokens, logprobs, finish = got[(f"p{i}", j)]
