@@ -73,32 +73,6 @@ def _import_vllm() -> Any:
 
 
 @contextmanager
-def _host_state_preserved() -> Iterator[None]:
-    """Save the process state vLLM's start-up mutates and restore it afterwards."""
-    import numpy as np
-
-    torch_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    np_rng = np.random.get_state()
-    py_rng = random.getstate()
-    num_threads = torch.get_num_threads()
-    set_num_threads = torch.set_num_threads
-    environ = dict(os.environ)
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
-        torch.set_rng_state(torch_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        np.random.set_state(np_rng)
-        random.setstate(py_rng)
-        os.environ.clear()
-        os.environ.update(environ)
-
-
-@contextmanager
 def _rng_preserved() -> Iterator[None]:
     """Save and restore the global torch RNG, which vLLM's sampler draws from: what a step
     changes. Narrower than `_host_state_preserved` on purpose: steps run on `serve`'s engine
@@ -112,6 +86,29 @@ def _rng_preserved() -> Iterator[None]:
         torch.set_rng_state(torch_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextmanager
+def _host_state_preserved() -> Iterator[None]:
+    """Save the process state vLLM's start-up mutates and restore it afterwards: the RNGs
+    (`_rng_preserved` for torch's), the thread count and its setter, the environment."""
+    import numpy as np
+
+    np_rng = np.random.get_state()
+    py_rng = random.getstate()
+    num_threads = torch.get_num_threads()
+    set_num_threads = torch.set_num_threads
+    environ = dict(os.environ)
+    try:
+        with _rng_preserved():
+            yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+        np.random.set_state(np_rng)
+        random.setstate(py_rng)
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @torch.no_grad()

@@ -94,8 +94,7 @@ class EngineBackend:
         engine: the engine; started here with `context` (a second start does nothing).
         tokenizer: the policy's tokenizer.
         context: where the engine runs; None: a single CPU process.
-        max_context: the model's context length; None: read from the engine's model config
-            (`max_position_embeddings`) when it has one.
+        max_context: the model's context length; None: the engine's (`engine_max_context`).
         max_batch: the most requests one engine call takes (1: one request per call, each
             waiting for the engine in turn).
     """
@@ -271,7 +270,7 @@ class StepBackend:
         engine: a started or startable `StepEngine` (`VLLMEngine`).
         tokenizer: the policy's tokenizer.
         context: where the engine runs; None: a single CPU process.
-        max_context: the model's context length; None: the engine's `max_position_embeddings`.
+        max_context: the model's context length; None: the engine's (`engine_max_context`).
     """
 
     def __init__(

@@ -274,7 +274,7 @@ def check_step_stream(engine, policy) -> dict:
         if (
             not pending
             and all(v[2] for k, v in got.items() if k[0] != "late-abort")
-            and len(got) >= 7
+            and len(got) == 2 * len(PROMPTS) + 1  # every sample seen, and the aborted one
         ):
             break
     assert got[("late-abort", 0)][2] is None and len(got[("late-abort", 0)][0]) <= 2
