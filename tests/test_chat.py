@@ -269,3 +269,26 @@ def test_control_tokens_in_message_content_stay_text(index) -> None:
     assert tok.decode(ids) == text
     plain = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
     assert render_ids(tok, clean, True) == tok(plain, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("index", [1, 2], ids=["tiny_tool", "smollm2_chatml"])
+def test_a_trace_with_tools_renders_as_its_episode_does(index) -> None:
+    """A demonstration trace with `tools` tokenises exactly as a tool episode renders the same
+    chat (`render_ids` with the tools: the template's own rendering for the tiny tool policy,
+    the system message for SmolLM2's ChatML), and only the assistant turns carry loss: SFT on
+    it trains the very tokens RL later samples."""
+    from composer_lightning.tasks.tool_calc import ToolCalc
+
+    tok = _shipped_tokenizers()[index]
+    task = ToolCalc()
+    rec = task.demonstration(task.make(123, 45))
+    messages, tools = rec["messages"], rec["tools"]
+    sample = multi_turn_sample(tok, messages, tools=tools)
+    assert sample.student_ids == render_ids(tok, messages, False, tools=tools)
+    shown = tok.decode(sample.student_ids[: sample.response_mask.index(True)])
+    assert "add" in shown.replace("What is 123 + 45?", "")  # the tool is shown before the call
+    supervised = tok.decode(
+        [i for i, m in zip(sample.student_ids, sample.response_mask, strict=True) if m]
+    )
+    assert supervised.count("<tool_call>") == 1 and "The answer is 168." in supervised
+    assert "What is 123 + 45?" not in supervised and "Add two integers" not in supervised

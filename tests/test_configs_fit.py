@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.test_cli import ROOT, run_cli
 
@@ -38,6 +39,15 @@ def test_cpu_config_runs_one_fast_dev_run_step(config, tmp_path):
 def test_a_real_model_config_trains_one_small_step(config, tmp_path):
     """SmolLM2-135M-Instruct from its PyPI GGUF (converted once into the user's cache), on a
     small batch: the real model's whole path (conversion, vLLM, the canary) without its cost."""
+    small = (  # a rollout run: few prompts, short replies; a trace run (SFT): a small batch
+        [
+            "--data.init_args.prompts_per_step=2",
+            "--rollout.init_args.group_size=2",
+            "--rollout.init_args.sampling.max_tokens=16",
+        ]
+        if "rollout" in yaml.safe_load(Path(config).read_text())
+        else ["--data.init_args.batch_size=2"]
+    )
     out = run_cli(
         "fit",
         "--config",
@@ -45,9 +55,7 @@ def test_a_real_model_config_trains_one_small_step(config, tmp_path):
         "--trainer.max_steps=1",
         "--trainer.val_check_interval=null",
         "--trainer.limit_val_batches=0",
-        "--data.init_args.prompts_per_step=2",
-        "--rollout.init_args.group_size=2",
-        "--rollout.init_args.sampling.max_tokens=16",
+        *small,
         f"--trainer.default_root_dir={tmp_path}",
     )
     assert out.returncode == 0, out.stderr[-4000:]

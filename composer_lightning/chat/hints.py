@@ -140,22 +140,27 @@ class TraceSample:
 
 
 def _turn_spans(
-    tokenizer: Any, messages: list[Message]
+    tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Full ids and per turn (start, content_start, end); content_start is only meaningful for
-    assistant turns (after the generation prompt). Turn 0 starts at 0 (it includes any bos)."""
-    full = render_ids(tokenizer, messages)
+    assistant turns (after the generation prompt). Turn 0 starts at 0 (it includes any bos).
+    `tools` are rendered as an episode renders them (`render_ids`)."""
+    full = render_ids(tokenizer, messages, tools=tools)
     spans: list[tuple[int, int, int]] = []
     start = 0
     for k, msg in enumerate(messages):
-        prefix = full if k == len(messages) - 1 else render_ids(tokenizer, messages[: k + 1])
+        prefix = (
+            full
+            if k == len(messages) - 1
+            else render_ids(tokenizer, messages[: k + 1], tools=tools)
+        )
         if full[: len(prefix)] != prefix:
             raise ValueError(f"chat template is not prefix-stable: turn {k} re-renders differently")
         content_start = start
         if msg["role"] == "assistant":
             if k == 0:
                 raise ValueError("a trace cannot start with an assistant turn")
-            header = render_ids(tokenizer, messages[:k], add_generation_prompt=True)
+            header = render_ids(tokenizer, messages[:k], add_generation_prompt=True, tools=tools)
             if full[: len(header)] != header:
                 raise ValueError(
                     f"chat template is not prefix-stable: generation prompt at turn {k}"
@@ -176,8 +181,12 @@ def multi_turn_sample(
     messages: list[Message],
     hint: str | None = None,
     hint_role: str = "user",
+    tools: list[dict[str, Any]] | None = None,
 ) -> TraceSample:
     """Tokenise a tool trace; with a hint and an error turn, build the hinted teacher.
+
+    `tools` (OpenAI tool specs) are shown to the model as a tool episode shows them
+    (`render_ids`: the template's own rendering, or the system message), in both contexts.
 
     The hint goes right after the first erroneous turn (`with_hint`: a message of its own, or
     appended to that turn's message with `hint_role="inline"`). A trace without an error turn,
@@ -190,7 +199,7 @@ def multi_turn_sample(
     """
     if not has_chat_template(tokenizer):
         raise no_template(tokenizer, "a multi-turn tool trace")
-    student, spans = _turn_spans(tokenizer, messages)
+    student, spans = _turn_spans(tokenizer, messages, tools)
     response_mask = [False] * len(student)
     for (_, content_start, end), msg in zip(spans, messages, strict=True):
         if msg["role"] == "assistant":
@@ -205,7 +214,7 @@ def multi_turn_sample(
     assert error is not None
     teacher_messages = with_hint(messages, error, hint, hint_role)
     shift = len(teacher_messages) - len(messages)  # 1 for a message of its own, 0 inline
-    teacher, teacher_spans = _turn_spans(tokenizer, teacher_messages)
+    teacher, teacher_spans = _turn_spans(tokenizer, teacher_messages, tools)
     positions = [-1] * len(student)
     sdpo_mask = [False] * len(student)
     for k, msg in enumerate(messages):

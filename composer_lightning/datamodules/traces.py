@@ -1,12 +1,16 @@
 """`TraceDataModule`: rollout batches from recorded multi-turn tool traces (no engine).
 
 Each JSONL line is a chat whose turns may carry a structured `tool_error` field, plus an
-optional `hint` (spliced right after the first erroneous turn, before the next assistant turn)
-and an optional `reward` in [0, 1]:
+optional `hint` (spliced right after the first erroneous turn, before the next assistant turn),
+an optional `reward` in [0, 1] and optional `tools` (OpenAI tool specs, shown to the model as a
+tool episode shows them):
 
     {"messages": [{"role": "user", ...}, {"role": "assistant", ...},
                   {"role": "tool", "content": "...", "tool_error": "KeyError"}, ...],
-     "hint": "the key is called 'total'", "reward": 0.0}
+     "hint": "the key is called 'total'", "reward": 0.0, "tools": [{"type": "function", ...}]}
+
+Demonstrations (a trace with `reward: 1.0`) train `SFTHead`: tool use shown to a model before
+RL on the tool can start.
 
 Assistant tokens carry loss; `sdpo_mask` covers the assistant tokens after the hint (the
 recovery). The dispatch is the usual one: a hint makes `has_teacher`, a reward `has_reward`, a
@@ -33,6 +37,11 @@ def _trace_problem(obj: dict[str, Any]) -> str | None:
     msgs = obj.get("messages")
     if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
         return "needs 'messages', a list of {role, content}"
+    tools = obj.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        return f"tools must be a list of OpenAI tool specs (objects), got {tools!r}"
     reward = obj.get("reward")
     if reward is not None and not (isinstance(reward, (int, float)) and 0 <= reward <= 1):
         return f"reward must be a number in [0, 1], got {reward!r}"
@@ -59,7 +68,8 @@ class TraceDataModule(L.LightningDataModule):
     """Rollout batches of recorded tool traces with hints at their error turns.
 
     Args:
-        tokenizer: local tokenizer directory (with a prefix-stable chat template).
+        tokenizer: the tokenizer (with a prefix-stable chat template): a directory, a hub id or
+            a GGUF file, as a model source (`models.hub.resolve_model`).
         trace_file: JSONL traces (see the module docstring).
         batch_size: traces per batch.
         hint_role: role of the hint message (`user` or `system`).
@@ -77,12 +87,18 @@ class TraceDataModule(L.LightningDataModule):
         super().__init__()
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
+
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model(tokenizer, what="TraceDataModule tokenizer", require=TOKENIZER_FILE)
+        )
         self.batch_size, self.hint_role, self.seed = batch_size, hint_role, seed
         records = read_traces(trace_file)
         self.samples, self.rewards, self.dropped = [], [], 0
         for rec in records:
-            sample = multi_turn_sample(self.tokenizer, rec["messages"], rec.get("hint"), hint_role)
+            sample = multi_turn_sample(
+                self.tokenizer, rec["messages"], rec.get("hint"), hint_role, rec.get("tools")
+            )
             if not sample.has_teacher and rec.get("reward") is None:
                 self.dropped += 1  # neither signal: the fourth dispatch path
                 continue

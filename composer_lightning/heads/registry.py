@@ -21,6 +21,7 @@ _BUILTINS = {
     "topk_opd": "composer_lightning.heads.topk_opd:TopKOPDHead",
     "replay_dpo": "composer_lightning.heads.replay_dpo:ReplayDPOHead",
     "kl": "composer_lightning.heads.kl:KLHead",
+    "sft": "composer_lightning.heads.sft:SFTHead",
 }
 
 

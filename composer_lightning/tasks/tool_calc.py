@@ -14,11 +14,12 @@ otherwise, with the error-derived hint of `Arithmetic` (the digit count and a wr
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
 from composer_lightning.chat.tool_calls import check_format
-from composer_lightning.envs.python_tools import CALL_CLOSE, PythonToolEnv
+from composer_lightning.envs.python_tools import CALL_CLOSE, CALL_OPEN, PythonToolEnv
 from composer_lightning.tasks.arithmetic import number_hint
 from composer_lightning.tasks.base import Problem, Task, Verdict
 
@@ -103,6 +104,23 @@ class ToolCalc(Task):
             timeout=self.timeout,
             tool_call_format=self.tool_call_format,
         )
+
+    def demonstration(self, problem: Problem) -> dict:
+        """A right episode of `problem` as a trace record (`TraceDataModule`, `reward: 1.0`):
+        the question, the call of `add` in the Hermes format, the tool's result, the answer.
+        Demonstrations show a model the tool's call syntax (`SFTHead`) before RL on it."""
+        env = self.environment(problem)
+        call = {"name": "add", "arguments": {"a": problem["a"], "b": problem["b"]}}
+        messages = [
+            *env.reset(problem),
+            {"role": "assistant", "content": f"{CALL_OPEN}{json.dumps(call)}{CALL_CLOSE}"},
+        ]
+        observation = env.step(messages[-1])
+        if observation.info["tool_error"] is not None:  # the format and the env disagree
+            raise RuntimeError(f"the demonstration's own call failed: {observation.info}")
+        messages += observation.messages
+        messages.append({"role": "assistant", "content": f"The answer is {problem['answer']}."})
+        return {"messages": messages, "tools": env.tools, "reward": 1.0}
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
         answer = int(problem["answer"])

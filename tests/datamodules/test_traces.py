@@ -49,6 +49,9 @@ def test_trace_file_errors(tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}], "reward": 3}) + "\n")
     with pytest.raises(ValueError, match="t.jsonl:1: reward must be a number in \\[0, 1\\], got 3"):
         TraceDataModule(tokenizer=POLICY, trace_file=str(bad))
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": "add"}))
+    with pytest.raises(ValueError, match="t.jsonl:1: tools must be a list of OpenAI tool specs"):
+        TraceDataModule(tokenizer=POLICY, trace_file=str(bad))
     bad.write_text(
         json.dumps(
             {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
