@@ -61,3 +61,17 @@ def test_a_function_calling_loop_through_the_openai_client(tmp_path):
         f'<tool_call>{{"name": "add", "arguments": {json.dumps(arguments)}}}</tool_call>'
         in rendered
     )
+
+
+def test_the_agent_loop_example_runs_on_the_tiny_tool_policy(capsys):
+    """`examples/tool_sft/agent_loop.py` (SmolLM2 before and after SFT in docs/benchmarks.md)
+    on the tiny tool policy, which calls `add`: its figures count what happened."""
+    from composer_lightning.models.tiny import tiny_tool_policy_path
+    from examples.tool_sft.agent_loop import held_out, run
+
+    problems = held_out(2, seed=1)
+    figures = run(tiny_tool_policy_path(), problems, turns=3, max_tokens=48)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all('"tool_calls"' in line for line in lines), lines
+    assert figures["first_reply_calls"] == 1.0
+    assert 0.0 <= figures["answered_right"] <= 1.0
