@@ -13,6 +13,7 @@ from composer_lightning.engines.base import (
     RolloutEngine,
     SamplingConfig,
     StepEngine,
+    TokenStreamEngine,
 )
 from composer_lightning.engines.hf import HFEngine
 from composer_lightning.engines.openai import OpenAIEngine
@@ -29,6 +30,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingConfig",
     "StepEngine",
+    "TokenStreamEngine",
     "VLLMEngine",
     "iter_hf_weights",
 ]

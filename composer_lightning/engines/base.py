@@ -9,7 +9,7 @@ DESIGN.md), or weight by them when the sampler is shaped (`SamplingConfig.shaped
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -237,6 +237,28 @@ class StepEngine(Protocol):
 
     def abort(self, request: str, n: int) -> None:
         """Stop the `n` samples of `request` (a client that left); nothing more is reported."""
+        ...
+
+
+@runtime_checkable
+class TokenStreamEngine(Protocol):
+    """An engine whose `generate` can report each token as it samples it (transformers'
+    `generate`, through a streamer). `serve`'s `EngineBackend` streams through it.
+
+    `generate_stream(prompts, n, sampling, on_delta)` returns what `generate` returns for the
+    same seed and calls `on_delta(i, delta)` for prompt `i` after every sampling step, in
+    order: each sample's tokens and log-probs exactly as its final `Completion` holds them,
+    its last delta with the finish reason.
+    """
+
+    def generate_stream(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        on_delta: Callable[[int, Delta], None],
+    ) -> list[list[Completion]]:
+        """`generate`, reporting each step's tokens to `on_delta` as they are sampled."""
         ...
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from composer_lightning.engines.base import (
     Completion,
+    Delta,
     EngineContext,
     SamplingConfig,
     check_prompts,
@@ -125,6 +127,17 @@ class HFEngine:
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
+        return self.generate_stream(prompts, n, sampling, None)
+
+    def generate_stream(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        on_delta: Callable[[int, Delta], None] | None,
+    ) -> list[list[Completion]]:
+        """`generate`, calling `on_delta(i, delta)` for prompt `i` after each sampling step
+        (`TokenStreamEngine`): the step's token of each running sample and its log-prob."""
         check_prompts(prompts, n)
         if not prompts:
             return []
@@ -134,19 +147,24 @@ class HFEngine:
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             torch.manual_seed(seed)
             if sampling.repetition_penalty == 1 and not sampling.generation_kwargs:
-                return self._generate(prompts, n, sampling)
+                return self._generate(prompts, n, sampling, on_delta)
             # transformers' penalties count the left padding as prompt tokens (the pad id, an
             # EOS, would be penalised): one call per prompt length, none padded
             results: list[list[Completion]] = [[] for _ in prompts]
             for length in sorted({len(p) for p in prompts}):
                 rows = [i for i, p in enumerate(prompts) if len(p) == length]
-                outs = self._generate([prompts[i] for i in rows], n, sampling)
+                report = None if on_delta is None else _remapped(on_delta, rows)
+                outs = self._generate([prompts[i] for i in rows], n, sampling, report)
                 for i, out in zip(rows, outs, strict=True):
                     results[i] = out
             return results
 
     def _generate(
-        self, prompts: list[list[int]], n: int, sampling: SamplingConfig
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        on_delta: Callable[[int, Delta], None] | None = None,
     ) -> list[list[Completion]]:
         stops = sampling.stops(self.eos_token_ids)
         pad_id = stops[0] if stops else 0
@@ -167,6 +185,7 @@ class HFEngine:
             "min_new_tokens": 0,
             **sampling.generation_kwargs,  # the user's word wins
         }
+        feed = None if on_delta is None else _StepFeed(n, set(stops), on_delta)
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
@@ -175,8 +194,11 @@ class HFEngine:
             pad_token_id=pad_id,
             return_dict_in_generate=True,
             output_scores=True,  # processed scores: what was sampled from
+            **({} if feed is None else {"stopping_criteria": [feed.criterion()]}),
             **options,
         )
+        if feed is not None:
+            feed.finish()
         generated: Tensor = out.sequences[:, width:].cpu()  # [P x n, L]
         scores = torch.stack(out.scores, dim=1).float()  # [P x n, L, V]
         # Filtered (top-k/top-p) entries are -inf; sampled tokens are always finite.
@@ -202,3 +224,51 @@ class HFEngine:
                 )
             results.append(row_completions)
         return results
+
+
+def _remapped(on_delta: Callable[[int, Delta], None], rows: list[int]) -> Callable:
+    """`on_delta` for a call of the prompts `rows`: its prompt i is the caller's `rows[i]`."""
+    return lambda i, delta: on_delta(rows[i], delta)
+
+
+class _StepFeed:
+    """Each sampling step's tokens, as transformers samples them: read by a stopping
+    criterion (called after every step with the sequences so far and the processed scores the
+    step sampled from, which `output_scores` records) that never stops anything. Each running
+    sample's new token and its log-prob are reported; a sample ends at its first stop id
+    ("stop"), or at the end ("length"); transformers pads it after its stop."""
+
+    def __init__(self, n: int, stops: set[int], on_delta: Callable[[int, Delta], None]):
+        self.n, self.stops, self.on_delta = n, stops, on_delta
+        self.running: list[bool] | None = None
+
+    def criterion(self) -> Any:
+        from transformers import StoppingCriteria
+
+        feed = self
+
+        class _Report(StoppingCriteria):
+            def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+                feed.step(input_ids[:, -1], scores[-1])
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        return _Report()
+
+    def step(self, tokens: Tensor, scores: Tensor) -> None:
+        lps = scores.float().log_softmax(-1).gather(-1, tokens[:, None])[:, 0].tolist()
+        ids = tokens.tolist()
+        if self.running is None:
+            self.running = [True] * len(ids)
+        for row, (token, lp) in enumerate(zip(ids, lps, strict=True)):
+            if not self.running[row]:
+                continue
+            stop = token in self.stops
+            self.running[row] = not stop
+            delta = Delta("", row % self.n, [token], [lp], "stop" if stop else None)
+            self.on_delta(row // self.n, delta)
+
+    def finish(self) -> None:
+        """The samples still running ran out of tokens: their last delta says "length"."""
+        for row, running in enumerate(self.running or []):
+            if running:
+                self.on_delta(row // self.n, Delta("", row % self.n, [], [], "length"))

@@ -7,7 +7,8 @@ version that produced all of its completions. Requests that arrive while the eng
 wait in a queue; the next free request thread takes all of them and makes one engine call per
 kind of sampling (the engine batches their prompts), so concurrent clients share engine calls
 instead of taking turns. A seeded request runs in a call of its own: batched, the engine would
-give it another seed than it asked for.
+give it another seed than it asked for. With an engine that reports tokens as it samples them
+(`TokenStreamEngine`: `HFEngine`), `open` streams each request's tokens during the call.
 
 `StepBackend` wraps a `StepEngine` (`VLLMEngine`): a request joins vLLM's running batch at the
 next engine step instead of waiting for the current call to end (continuous batching), its
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import AsyncIterator, Iterable
@@ -39,6 +41,7 @@ from composer_lightning.engines.base import (
     RolloutEngine,
     SamplingConfig,
     StepEngine,
+    TokenStreamEngine,
 )
 from composer_lightning.engines.fingerprint import Fingerprint
 
@@ -85,6 +88,7 @@ class _Request:
     done: bool = False
     result: tuple[list[Completion], int] | None = None
     error: BaseException | None = None
+    stream: ReplyStream | None = None
 
 
 class EngineBackend:
@@ -115,13 +119,48 @@ class EngineBackend:
         self._queue_lock = threading.Lock()
         self._pending: list[_Request] = []
         self.engine_calls = 0  # how many engine calls served the requests so far
+        self._ids = itertools.count()
         engine.start(context or EngineContext())
         self.max_context = engine_max_context(engine) if max_context is None else max_context
 
     def generate(
         self, prompt_ids: list[int], n: int, sampling: SamplingConfig
     ) -> tuple[list[Completion], int]:
-        request = _Request(list(prompt_ids), n, sampling)
+        return self._wait(_Request(list(prompt_ids), n, sampling))
+
+    def open(self, prompt_ids: list[int], n: int, sampling: SamplingConfig) -> ReplyStream:
+        """Start a request and return its `ReplyStream`: with an engine that reports tokens as
+        it samples them (`TokenStreamEngine`: transformers'), each step's tokens as they come,
+        else every token once the engine call ends. It joins the gathered calls as `generate`
+        does (on a thread of its own)."""
+        stream = ReplyStream(f"req-{next(self._ids)}", list(prompt_ids), n, sampling)
+        request = _Request(stream.prompt_ids, n, sampling, stream=stream)
+        threading.Thread(target=self._stream, args=(request,), daemon=True).start()
+        return stream
+
+    def cancel(self, stream: ReplyStream) -> None:
+        """A client that left: its reply is no longer read. transformers' `generate` cannot
+        drop one row of a running batch, so the call runs to its end; nothing is recorded."""
+        stream.cancelled = True
+
+    def _stream(self, request: _Request) -> None:
+        stream = request.stream
+        assert stream is not None
+        try:
+            completions, version = self._wait(request)
+        except BaseException as exc:
+            stream._feed([], exc)
+            return
+        if not stream.done:  # an engine that does not report tokens: all of them at once
+            stream.version = version
+            stream._feed(
+                [
+                    Delta(stream.request, j, c.token_ids, c.logprobs, c.finish_reason)
+                    for j, c in enumerate(completions)
+                ]
+            )
+
+    def _wait(self, request: _Request) -> tuple[list[Completion], int]:
         with self._queue_lock:
             self._pending.append(request)
         while not request.done:
@@ -147,10 +186,19 @@ class EngineBackend:
             key = (n, repr(r.sampling)) if r.sampling.seed is None else id(r)
             groups.setdefault(key, (n, []))[1].append(r)
         for n, group in groups.values():
+            version = self.engine.weight_version  # no push lands during the call
+            for r in group:
+                if r.stream is not None:
+                    r.stream.version = version
+            prompts, sampling = [r.prompt_ids for r in group], group[0].sampling
             try:
-                outs = self.engine.generate([r.prompt_ids for r in group], n, group[0].sampling)
+                if isinstance(self.engine, TokenStreamEngine) and any(r.stream for r in group):
+                    outs = self.engine.generate_stream(
+                        prompts, n, sampling, functools.partial(_to_stream, group, n)
+                    )
+                else:
+                    outs = self.engine.generate(prompts, n, sampling)
                 self.engine_calls += 1
-                version = self.engine.weight_version
             except BaseException as exc:  # every request of the call gets the engine's error
                 for r in group:
                     r.error, r.done = exc, True
@@ -173,6 +221,16 @@ class EngineBackend:
     def weight_version(self) -> int:
         """The version the next generation samples with."""
         return self.engine.weight_version
+
+
+def _to_stream(group: list[_Request], n: int, i: int, delta: Delta) -> None:
+    """Hand a delta of prompt `i` of an engine call to its request's stream (a greedy call of
+    one sample answers every choice of the request with it)."""
+    stream = group[i].stream
+    if stream is None:
+        return
+    choices = range(group[i].n) if n < group[i].n else [delta.index]
+    stream._feed([dataclasses.replace(delta, request=stream.request, index=k) for k in choices])
 
 
 class ReplyStream:
