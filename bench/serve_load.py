@@ -8,7 +8,8 @@ engine alone and vLLM's own OpenAI server on the same model.
 The tiny policy (`configs/serve_cpu.yaml`'s; `--model smollm2`: SmolLM2-135M-Instruct) on
 `VLLMEngine` (fp32, 1 thread) behind `make_app`. For each number of clients, every client sends `--requests` chat requests one after
 another (temperature 1, unseeded, `--max-tokens` new tokens, ignoring EOS so every reply has
-the same length) through httpx, and the bench reports requests/s, generated tokens/s and the
+the same length) through httpx, from a process of their own (`--clients-in-process`: threads
+of the server's process, which share its interpreter lock), and the bench reports requests/s, generated tokens/s and the
 p50 / p99 latency for:
 - step: `StepBackend`, as `serve` runs a vLLM engine: requests join vLLM's running batch
   between engine steps (continuous batching) and stream as generated;
@@ -28,13 +29,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -154,6 +158,10 @@ def main() -> None:
         help="tiny (the tiny policy), smollm2 (SmolLM2-135M-Instruct from its GGUF), or a "
         "model directory / hub id / GGUF",
     )  # fmt: skip
+    ap.add_argument(
+        "--clients-in-process", action="store_true",
+        help="run the clients' threads in the server's process (as before 2026-12-04)",
+    )  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="1 and 2 clients, 2 requests of 2 tokens")
     args = ap.parse_args()
     if args.smoke:
@@ -166,6 +174,18 @@ def main() -> None:
     engine = VLLMEngine(model_path=path, seed=0, max_model_len=256)
     step = FixedLengthStep(engine, tok)
     rows = []
+    # The clients run in a process of their own, as real clients do: in the server's process
+    # their threads would take the interpreter lock from the server's HTTP and engine threads
+    # (vLLM's server is measured from the same client process, in its own processes).
+    clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    if args.clients_in_process:
+        clients_process.shutdown()
+
+    def measure(*a: Any, **kw: Any) -> dict[str, float]:
+        if args.clients_in_process:
+            return load(*a, **kw)
+        return clients_process.submit(load, *a, **kw).result()
+
     for clients in args.clients:
         row = {"clients": clients}
         backends = {
@@ -177,9 +197,9 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 store = TurnStore(Path(tmp) / "turns.sqlite")
                 with BackgroundServer(make_app(backend, store, model_name="policy")) as server:
-                    load(server.url, 1, 1, args.max_tokens)  # warm-up, not measured
+                    measure(server.url, 1, 1, args.max_tokens)  # warm-up, not measured
                     calls0 = _engine_work(backend)
-                    row[name] = load(server.url, clients, args.requests, args.max_tokens)
+                    row[name] = measure(server.url, clients, args.requests, args.max_tokens)
                 store.close()
             row[name]["calls"] = _engine_work(backend) - calls0
         row["engine"] = engine_alone(engine, tok, clients, args.requests, args.max_tokens)
@@ -190,13 +210,17 @@ def main() -> None:
         threads = os.environ.get("OMP_NUM_THREADS", "1")
         with VLLMServer(path, name="policy", threads=int(threads), max_model_len=256) as server:
             base = server.url.removesuffix("/v1")
-            load(base, 1, 1, args.max_tokens, vllm=True)  # warm-up
+            measure(base, 1, 1, args.max_tokens, vllm=True)  # warm-up
             for row in rows:
-                row["vllm"] = load(base, row["clients"], args.requests, args.max_tokens, vllm=True)
+                row["vllm"] = measure(
+                    base, row["clients"], args.requests, args.max_tokens, vllm=True
+                )
                 print(row, file=sys.stderr)
+    clients_process.shutdown()
+    where = "in the server's process" if args.clients_in_process else "in a process of their own"
     print(
         f"{args.model}, vLLM engine (fp32, 1 thread); {args.requests} requests per client of "
-        f"{args.max_tokens} tokens (EOS ignored), temperature 1"
+        f"{args.max_tokens} tokens (EOS ignored), temperature 1; clients {where}"
     )
     print(
         "| clients | step req/s | step tok/s | step p50 s | step p99 s | engine steps | "
