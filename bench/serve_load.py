@@ -65,6 +65,9 @@ class FixedLength(EngineBackend):
     def generate(self, prompt_ids, n, sampling):
         return super().generate(prompt_ids, n, dataclasses.replace(sampling, ignore_eos=True))
 
+    def open(self, prompt_ids, n, sampling):  # the app's way in
+        return super().open(prompt_ids, n, dataclasses.replace(sampling, ignore_eos=True))
+
 
 class FixedLengthStep(StepBackend):
     """`StepBackend` whose replies run to `max_tokens` (EOS ignored)."""
