@@ -101,6 +101,8 @@ def test_a_run_that_early_stopping_ends_says_so_in_one_line(tmp_path, caplog, mo
     # Lightning's logger stops propagating (to caplog's root handler) when the root logger had
     # no handler as Lightning was first imported: which depends on the tests run before
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero"):
+        monkeypatch.setattr(logging.getLogger(name), "disabled", False)  # a dictConfig's doing
     stop = L.pytorch.callbacks.EarlyStopping("val/accuracy", mode="max", stopping_threshold=0.0)
     module = ComposerModule(tiny_policy_path(), [DrGRPOHead()])
     cb = RolloutCallback(HFEngine(seed=0), group_size=2, sampling=SamplingConfig(max_tokens=4))
