@@ -7,6 +7,12 @@ that reply would score 0; these tasks read the answer where a chat model puts it
 allowed) — and hint as `arithmetic` does (digit count and one digit of the answer).
 
 - `chat_arithmetic`: `a <op> b` (`Arithmetic`'s operands and operators).
+- `chat_boxed`: `chat_arithmetic` asking for the answer in `\\boxed{}`, and verified only
+  there (a strict verifier, as math RL's often are): sparse for SmolLM2-135M-Instruct, which
+  adds two-digit numbers (greedy 0.27 on the final number) but boxes 3 % of its replies (0.2 %
+  boxed and right, sampled; docs/benchmarks.md).
+- `chat_sums`: `a + b + c` (`terms` two-digit numbers): a sparse task for SmolLM2-135M-Instruct
+  (greedy 0.016, sampled 0.006 at three terms; docs/benchmarks.md).
 - `word_problems`: two-step word problems, "Tom has 29 apples. He buys 13 more and gives away
   4. How many apples does Tom have now?" (answer a + b − c).
 """
@@ -17,7 +23,7 @@ import random
 import re
 
 from composer_lightning.tasks.arithmetic import Arithmetic, IntegerAnswer
-from composer_lightning.tasks.base import Problem
+from composer_lightning.tasks.base import Problem, Verdict
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
 _BOXED = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
@@ -53,6 +59,73 @@ class ChatArithmetic(_FinalAnswer, Arithmetic):
 
     def __init__(self, min_value: int = 10, max_value: int = 49, **kwargs) -> None:
         super().__init__(min_value=min_value, max_value=max_value, **kwargs)
+
+
+def boxed_integer(text: str) -> int | None:
+    """The integer in the reply's last `\\boxed{...}` that holds one, else None."""
+    for candidate in reversed(_BOXED.findall(text)):
+        numbers = _NUMBER.findall(candidate)
+        if numbers:
+            return int(numbers[-1].replace(",", ""))
+    return None
+
+
+class ChatBoxed(ChatArithmetic):
+    """`chat_arithmetic` with the answer asked for in `\\boxed{}` and read only from there: a
+    reply without a boxed number scores 0 (its hint says where the answer goes), a wrong boxed
+    number is hinted as `chat_arithmetic` hints.
+
+    Args: see `ChatArithmetic`; `template` must ask for the box.
+    """
+
+    name = "chat_boxed"
+
+    def __init__(
+        self,
+        template: str = "What is {a} {op} {b}? Put your final answer within \\boxed{{}}.",
+        **kwargs,
+    ) -> None:
+        super().__init__(template=template, **kwargs)
+
+    def guess(self, completion: str) -> int | None:
+        return boxed_integer(completion)
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        if self.guess(completion) is None:
+            return Verdict(0.0, "Put the final answer within \\boxed{}.")
+        return super().verify(problem, completion)
+
+
+class ChatSums(_FinalAnswer):
+    """The sum of `terms` numbers drawn uniformly from [min_value, max_value], "What is 13 + 27
+    + 15?", verified on the reply's final answer and hinted as `chat_arithmetic` is.
+
+    Args:
+        terms: how many numbers (≥ 2).
+        min_value, max_value: the range of each number (0 ≤ min_value ≤ max_value).
+    """
+
+    name = "chat_sums"
+
+    def __init__(self, terms: int = 3, min_value: int = 10, max_value: int = 49) -> None:
+        if not isinstance(terms, int) or terms < 2:
+            raise ValueError(f"chat_sums: terms must be an integer >= 2, got {terms!r}")
+        if not 0 <= min_value <= max_value:
+            raise ValueError(
+                f"chat_sums: need 0 <= min_value <= max_value, got {min_value}, {max_value}"
+            )
+        self.terms, self.min_value, self.max_value = terms, min_value, max_value
+
+    def make(self, numbers: list[int]) -> Problem:
+        """The problem of these numbers (used by `sample` and by tests)."""
+        return {
+            "task": self.name,
+            "messages": [{"role": "user", "content": f"What is {' + '.join(map(str, numbers))}?"}],
+            "answer": str(sum(numbers)),
+        }
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.make([rng.randint(self.min_value, self.max_value) for _ in range(self.terms)])
 
 
 _NAMES = (("Tom", "He"), ("Anna", "She"), ("Ravi", "He"), ("Mia", "She"), ("Leo", "He"))

@@ -15,6 +15,8 @@ from composer_lightning.tasks.base import Task
 BUILTIN_TASKS: dict[str, str] = {
     "arithmetic": "composer_lightning.tasks.arithmetic.Arithmetic",
     "chat_arithmetic": "composer_lightning.tasks.chat_math.ChatArithmetic",
+    "chat_boxed": "composer_lightning.tasks.chat_math.ChatBoxed",
+    "chat_sums": "composer_lightning.tasks.chat_math.ChatSums",
     "word_problems": "composer_lightning.tasks.chat_math.WordProblems",
     "reverse": "composer_lightning.tasks.reverse.ReverseDigits",
     "tool_calc": "composer_lightning.tasks.tool_calc.ToolCalc",

@@ -1,11 +1,18 @@
-"""Chat arithmetic and word problems: the answer is where a chat model puts it (by hand)."""
+"""Chat arithmetic, sums and word problems: the answer is where a chat model puts it (by hand)."""
 
 from __future__ import annotations
 
 import pytest
 
 from composer_lightning.tasks import get_task
-from composer_lightning.tasks.chat_math import ChatArithmetic, WordProblems, final_integer
+from composer_lightning.tasks.chat_math import (
+    ChatArithmetic,
+    ChatBoxed,
+    ChatSums,
+    WordProblems,
+    boxed_integer,
+    final_integer,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,8 +74,46 @@ def test_word_problems_answer_a_plus_b_minus_c():
         assert int(p["answer"]) >= 0
 
 
-def test_both_are_found_by_name_and_verify_any_of_their_problems():
-    for name, cls in (("chat_arithmetic", ChatArithmetic), ("word_problems", WordProblems)):
+def test_chat_boxed_reads_the_answer_only_from_the_box():
+    task = ChatBoxed()
+    problem = task.make(17, "+", 25)
+    assert problem["messages"][0]["content"] == (
+        "What is 17 + 25? Put your final answer within \\boxed{}."
+    )
+    assert task.verify(problem, "17 + 25 = \\boxed{42}").reward == 1.0
+    assert task.verify(problem, "\\boxed{40}? No: 17 + 25 = \\boxed{42}.").reward == 1.0
+    unboxed = task.verify(problem, "17 + 25 = 42.")  # right, but not where it was asked for
+    assert (unboxed.reward, unboxed.hint) == (0.0, "Put the final answer within \\boxed{}.")
+    assert task.verify(problem, "\\boxed{}  so 42").reward == 0.0  # an empty box holds nothing
+    wrong = task.verify(problem, "17 + 25 = \\boxed{32}")
+    assert (wrong.reward, wrong.hint) == (0.0, "The answer has 2 digits; the first digit is 4.")
+    assert boxed_integer("\\boxed{1,234} and 7") == 1234
+    assert boxed_integer("\\boxed{x} then 7") is None
+
+
+def test_chat_sums_answer_the_sum_of_every_term():
+    task = ChatSums()
+    problem = task.make([13, 27, 15])
+    assert problem["messages"][0]["content"] == "What is 13 + 27 + 15?"
+    assert problem["answer"] == "55" and problem["task"] == "chat_sums"
+    assert task.verify(problem, "13 + 27 = 40, and 40 + 15 = 55.").reward == 1.0
+    assert task.verify(problem, "13 + 27 + 15 = 45.").hint == (
+        "The answer has 2 digits; the first digit is 5."
+    )
+    four = ChatSums(terms=4, min_value=1, max_value=9).samples(200, seed=3)
+    for p in four:
+        terms = [int(t) for t in p["messages"][0]["content"][8:-1].split(" + ")]
+        assert len(terms) == 4 and all(1 <= t <= 9 for t in terms)
+        assert int(p["answer"]) == sum(terms)
+
+
+def test_every_chat_task_is_found_by_name_and_verifies_any_of_its_problems():
+    named = (
+        ("chat_arithmetic", ChatArithmetic),
+        ("chat_sums", ChatSums),
+        ("word_problems", WordProblems),
+    )
+    for name, cls in named:
         task = get_task(name)
         assert isinstance(task, cls)
         problem = task.samples(1, seed=0)[0]
@@ -78,3 +123,7 @@ def test_both_are_found_by_name_and_verify_any_of_their_problems():
 def test_bad_ranges_are_refused_naming_the_value():
     with pytest.raises(ValueError, match=r"given must be a range 0 <= low <= high, got \(5, 1\)"):
         WordProblems(given=(5, 1))
+    with pytest.raises(ValueError, match=r"chat_sums: terms must be an integer >= 2, got 1"):
+        ChatSums(terms=1)
+    with pytest.raises(ValueError, match=r"chat_sums: need 0 <= min_value <= max_value, got 9, 1"):
+        ChatSums(min_value=9, max_value=1)
