@@ -92,7 +92,7 @@ class ChatBoxed(ChatArithmetic):
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
         if self.guess(completion) is None:
-            return Verdict(0.0, "Put the final answer within \\boxed{}.")
+            return Verdict(0.0, "Work it out, then end the reply with the answer in \\boxed{}.")
         return super().verify(problem, completion)
 
 

@@ -83,7 +83,10 @@ def test_chat_boxed_reads_the_answer_only_from_the_box():
     assert task.verify(problem, "17 + 25 = \\boxed{42}").reward == 1.0
     assert task.verify(problem, "\\boxed{40}? No: 17 + 25 = \\boxed{42}.").reward == 1.0
     unboxed = task.verify(problem, "17 + 25 = 42.")  # right, but not where it was asked for
-    assert (unboxed.reward, unboxed.hint) == (0.0, "Put the final answer within \\boxed{}.")
+    assert (unboxed.reward, unboxed.hint) == (
+        0.0,
+        "Work it out, then end the reply with the answer in \\boxed{}.",
+    )
     assert task.verify(problem, "\\boxed{}  so 42").reward == 0.0  # an empty box holds nothing
     wrong = task.verify(problem, "17 + 25 = \\boxed{32}")
     assert (wrong.reward, wrong.hint) == (0.0, "The answer has 2 digits; the first digit is 4.")
