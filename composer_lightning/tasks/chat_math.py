@@ -85,6 +85,11 @@ class ChatBoxed(ChatArithmetic):
         template: str = "What is {a} {op} {b}? Put your final answer within \\boxed{{}}.",
         **kwargs,
     ) -> None:
+        if "\\boxed" not in template:
+            raise ValueError(
+                f"chat_boxed: the template must ask for the answer in \\boxed{{}} (only a boxed "
+                f"answer is read), got {template!r}"
+            )
         super().__init__(template=template, **kwargs)
 
     def guess(self, completion: str) -> int | None:
@@ -92,8 +97,16 @@ class ChatBoxed(ChatArithmetic):
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
         if self.guess(completion) is None:
-            return Verdict(0.0, "Work it out, then end the reply with the answer in \\boxed{}.")
+            return Verdict(0.0, _UNBOXED)
         return super().verify(problem, completion)
+
+    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
+        if self.guess(completion) is None:
+            return [_UNBOXED][:n]
+        return super().hint_candidates(problem, completion, n)
+
+
+_UNBOXED = "Work it out, then end the reply with the answer in \\boxed{}."
 
 
 class ChatSums(_FinalAnswer):

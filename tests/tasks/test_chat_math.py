@@ -90,6 +90,10 @@ def test_chat_boxed_reads_the_answer_only_from_the_box():
     assert task.verify(problem, "\\boxed{}  so 42").reward == 0.0  # an empty box holds nothing
     wrong = task.verify(problem, "17 + 25 = \\boxed{32}")
     assert (wrong.reward, wrong.hint) == (0.0, "The answer has 2 digits; the first digit is 4.")
+    assert task.hint_candidates(problem, "17 + 25 = 42.", 2) == [unboxed.hint]
+    assert task.hint_candidates(problem, "\\boxed{43}", 1) == [
+        "The answer has 2 digits; the last digit is 2."
+    ]
     assert boxed_integer("\\boxed{1,234} and 7") == 1234
     assert boxed_integer("\\boxed{x} then 7") is None
 
@@ -126,6 +130,8 @@ def test_every_chat_task_is_found_by_name_and_verifies_any_of_its_problems():
 def test_bad_ranges_are_refused_naming_the_value():
     with pytest.raises(ValueError, match=r"given must be a range 0 <= low <= high, got \(5, 1\)"):
         WordProblems(given=(5, 1))
+    with pytest.raises(ValueError, match=r"chat_boxed: the template must ask .* got 'What is"):
+        ChatBoxed(template="What is {a} {op} {b}?")
     with pytest.raises(ValueError, match=r"chat_sums: terms must be an integer >= 2, got 1"):
         ChatSums(terms=1)
     with pytest.raises(ValueError, match=r"chat_sums: need 0 <= min_value <= max_value, got 9, 1"):
