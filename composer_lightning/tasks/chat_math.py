@@ -29,14 +29,21 @@ _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
 _BOXED = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
 
 
-def final_integer(text: str) -> int | None:
-    """The answer a chat reply gives: the last `\\boxed{...}` integer, else the last integer
-    ("1,234" is 1234), else None."""
-    boxed = _BOXED.findall(text)
-    for candidate in reversed(boxed):
+def boxed_integer(text: str) -> int | None:
+    """The integer in the reply's last `\\boxed{...}` that holds one, else None."""
+    for candidate in reversed(_BOXED.findall(text)):
         numbers = _NUMBER.findall(candidate)
         if numbers:
             return int(numbers[-1].replace(",", ""))
+    return None
+
+
+def final_integer(text: str) -> int | None:
+    """The answer a chat reply gives: the last `\\boxed{...}` integer, else the last integer
+    ("1,234" is 1234), else None."""
+    boxed = boxed_integer(text)
+    if boxed is not None:
+        return boxed
     numbers = _NUMBER.findall(text)
     return int(numbers[-1].replace(",", "")) if numbers else None
 
@@ -59,15 +66,6 @@ class ChatArithmetic(_FinalAnswer, Arithmetic):
 
     def __init__(self, min_value: int = 10, max_value: int = 49, **kwargs) -> None:
         super().__init__(min_value=min_value, max_value=max_value, **kwargs)
-
-
-def boxed_integer(text: str) -> int | None:
-    """The integer in the reply's last `\\boxed{...}` that holds one, else None."""
-    for candidate in reversed(_BOXED.findall(text)):
-        numbers = _NUMBER.findall(candidate)
-        if numbers:
-            return int(numbers[-1].replace(",", ""))
-    return None
 
 
 class ChatBoxed(ChatArithmetic):
