@@ -12,6 +12,7 @@ from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
+from composer_lightning.heads.schedules import LinearRamp
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.tasks import FunctionScore, ScoringError, VerifierHint
@@ -297,3 +298,13 @@ def test_no_hint_is_asked_for_while_no_head_reads_a_teacher(heads, called):
     )
     if not called:  # every sample went the RL-only way: no teacher ran
         assert float(m["dispatch/rl_only"]) == 8.0
+
+
+@pytest.mark.parametrize("schedule, calls", [(None, 4), (LinearRamp(1.0, 0.0, 0, 2), 2)])
+def test_a_teacher_head_ramped_to_zero_asks_for_no_more_hints(schedule, calls):
+    """OPD weighted 1 → 0.5 → 0 over steps 0-2: hints are asked for at steps 0 and 1 only
+    (one call a step), where the constant weight asks at every step."""
+    CountingHint.calls = 0
+    heads = [DrGRPOHead(), OPDHead(schedule=schedule)]
+    _fit([_callback(hint=CountingHint())], steps=4, heads=heads)
+    assert CountingHint.calls == calls

@@ -67,9 +67,14 @@ from composer_lightning.training.canary import check_fingerprint
 
 
 def reads_teacher(pl_module: Any) -> bool:
-    """Whether the module's heads read a hinted teacher (True for a module without heads)."""
+    """Whether the module's heads read a hinted teacher in the updates the next rollout batch
+    trains (True for a module without heads): a head ramped to weight 0 asks for no hints."""
     objective = getattr(pl_module, "objective", None)
-    return objective.reads_teacher() if objective is not None else True
+    if objective is None:
+        return True
+    step = getattr(pl_module, "global_step", None)
+    updates = getattr(pl_module, "ppo_epochs", 1) * getattr(pl_module, "minibatches", 1)
+    return objective.reads_teacher(step, updates)
 
 
 class RolloutCallback(L.Callback):

@@ -189,10 +189,15 @@ class Objective:
         )
         return needs | ({"entropy"} if reads_entropy else set())
 
-    def reads_teacher(self) -> bool:
-        """Whether a head with a non-zero configured weight reads a hinted teacher (OPD, SDPO,
-        top-k OPD); if none does, the rollout side asks no hint provider for hints."""
-        return any(h.weight > 0 and h.requires & TEACHER_SIGNALS for h in self.heads)
+    def reads_teacher(self, step: int | None = None, updates: int = 1) -> bool:
+        """Whether a head that reads a hinted teacher (OPD, SDPO, top-k OPD) has a non-zero
+        weight: its configured weight, or with `step` its effective weight at any of the
+        `updates` optimizer steps from `step` (a ramp that has reached 0 reads no teacher).
+        If none does, the rollout side asks no hint provider for hints."""
+        readers = [h for h in self.heads if h.requires & TEACHER_SIGNALS]
+        if step is None:
+            return any(h.weight > 0 for h in readers)
+        return any(h.effective_weight(step + k) > 0 for h in readers for k in range(updates))
 
     def topk(self) -> int:
         """The largest top-k any head with a non-zero configured weight reads (0: none)."""
