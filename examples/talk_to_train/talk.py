@@ -6,12 +6,13 @@
     python examples/talk_to_train/talk.py --config configs/serve_smollm2_cpu.yaml \
         --task chat_arithmetic
 
-Two scripted users ask arithmetic questions in two concurrent sessions. Each answer gets a
-reply, the answer's *next state*, as a person would write it: "Correct." when it is right, "No,
-that is wrong. Hint: ..." (the verifier's hint) when it is not — and, now and then, only a hint
-or only "Ok." — then the session ends. The server judges each answer with that reply
-(`FeedbackScore`, `FeedbackHint`), trains on every 8 judged answers and pushes the weights into
-the engine it serves from. Before and after, greedy answers to held-out questions are scored
+Scripted users (two by default, `--users`) ask arithmetic questions in concurrent sessions.
+Each answer gets a reply, the answer's *next state*, as a person would write it: "Correct."
+when it is right, "No, that is wrong. Hint: ..." (the verifier's hint, or with `--correction
+answer` the right answer) when it is not — and, now and then, only a hint or only "Ok." —
+then the session ends. The server judges each answer with that reply (`FeedbackScore`,
+`FeedbackHint`), trains on every `batch_size` judged answers and pushes the weights into the
+engine it serves from. Before and after, greedy answers to held-out questions are scored
 (temperature 0: served, not trained on). Prints one JSON line of figures at the end.
 """
 
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,7 @@ from composer_lightning.tasks.registry import get_task  # noqa: E402
 
 MODEL = "policy"
 TASK = {"name": "arithmetic"}  # the task whose questions the users ask (`--task`)
+CORRECTION = {"kind": "hint"}  # what a user's "No" says besides (`--correction`)
 
 
 def the_task():
@@ -69,13 +72,18 @@ def accuracy(client, problems, session="eval") -> float:
 
 
 def reply(problem, answer: str, n: int) -> str:
-    """The user's reply to `answer`: its next state (four kinds, as people write them)."""
+    """The user's reply to `answer`: its next state (four kinds, as people write them). A
+    wrong answer's correction is the verifier's hint ("The answer has 2 digits; ..."), or with
+    `--correction answer` the right answer ("The correct answer is 42.")."""
     verdict = the_task().verify(problem, answer)
     if verdict.reward == 1.0:
         return "Ok." if n % 5 == 4 else "Correct, thanks."
+    hint = verdict.hint
+    if CORRECTION["kind"] == "answer":  # a user who knows the answer and says it
+        hint = f"The correct answer is {problem['answer']}."
     if n % 4 == 3:
-        return f"Hint: {verdict.hint}"
-    return f"No, that is wrong. Hint: {verdict.hint}"
+        return f"Hint: {hint}"
+    return f"No, that is wrong. Hint: {hint}"
 
 
 def user(client, name: str, seed: int, until: int, log: list) -> None:
@@ -137,8 +145,15 @@ def main(argv: list[str] | None = None) -> dict:
         help="the task the users ask and check (chat_arithmetic for a real chat model: "
         "checked on the reply's final number)",
     )  # fmt: skip
+    ap.add_argument(
+        "--correction", choices=("hint", "answer"), default="hint",
+        help="what a user says after 'No, that is wrong.': the verifier's hint, or the answer",
+    )  # fmt: skip
+    ap.add_argument("--users", type=int, default=2, help="concurrent scripted users")
     args = ap.parse_args(argv)
-    TASK["name"] = args.task
+    if args.users < 1:
+        raise SystemExit(f"--users must be >= 1, got {args.users}")
+    TASK["name"], CORRECTION["kind"] = args.task, args.correction
     import openai
 
     proc, tmp = None, None
@@ -157,16 +172,22 @@ def main(argv: list[str] | None = None) -> dict:
         log: list = []
         users = [
             threading.Thread(target=user, args=(client, f"user{k}", k, args.steps, log))
-            for k in range(2)
+            for k in range(args.users)
         ]
         for t in users:
             t.start()
         for t in users:
             t.join()
         after = accuracy(client, held, session="eval-after")
+        by_version: dict = defaultdict(list)
+        for _, reward, v in log:
+            by_version[v].append(reward == 1.0)
         figures = {
             "heldout_before": before,
             "heldout_after": after,
+            "served_right_by_version": {
+                v: round(sum(r) / len(r), 3) for v, r in sorted(by_version.items())
+            },
             "sessions": len(log),
             "versions_seen": sorted({v for *_, v in log}),
             "url": url,

@@ -5,6 +5,7 @@ saves and exits."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import sqlite3
@@ -16,6 +17,7 @@ import time
 import openai
 import pytest
 
+from composer_lightning.tasks.feedback import FeedbackHint, FeedbackScore
 from tests.test_cli import ROOT
 
 sys.path.insert(0, str(ROOT / "examples" / "talk_to_train"))
@@ -46,6 +48,26 @@ def test_talking_to_the_endpoint_trains_the_policy_it_serves():
     paths = _paths(os.path.join(workdir, "turns.sqlite"))
     assert all(paths[p] > 0 for p in paths), paths
     assert figures["heldout_after"] > figures["heldout_before"], figures
+
+
+@pytest.mark.parametrize("kind", ["hint", "answer"])
+def test_a_users_correction_is_the_verifiers_hint_or_the_answer(kind, monkeypatch):
+    """A wrong answer's reply: "No, that is wrong. Hint: <correction>" (every fourth session only
+    the hint), the correction the verifier's hint or, with `--correction answer`, the answer;
+    a right one "Correct, thanks." — what `FeedbackScore` and `FeedbackHint` read."""
+    monkeypatch.setitem(talk.TASK, "name", "chat_arithmetic")
+    monkeypatch.setitem(talk.CORRECTION, "kind", kind)
+    problem = talk.the_task().sample(random.Random(0))
+    answer = int(problem["answer"])
+    verdict = talk.the_task().verify(problem, f"It is {answer + 1}.")
+    said = f"The correct answer is {answer}." if kind == "answer" else verdict.hint
+    assert talk.reply(problem, f"It is {answer + 1}.", 0) == f"No, that is wrong. Hint: {said}"
+    assert talk.reply(problem, f"It is {answer + 1}.", 3) == f"Hint: {said}"
+    assert talk.reply(problem, f"It is {answer}.", 0) == "Correct, thanks."
+    wrong = talk.reply(problem, f"It is {answer + 1}.", 0)
+    turn = {"next_state": [{"role": "user", "content": wrong}]}
+    assert FeedbackHint().hints([turn], [""]) == [said]
+    assert FeedbackScore().score([turn], [""]) == [-1.0]
 
 
 @pytest.mark.vllm
