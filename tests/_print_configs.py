@@ -26,8 +26,10 @@ def print_config(config: str) -> tuple[int, str, str]:
     return int(status or 0), out.getvalue(), err.getvalue()
 
 
+out_path, configs = sys.argv[1], sys.argv[2:]
+del sys.argv[1:]  # the CLI's arguments are given to it; jsonargparse warns when both are set
 results = {}
-for config in sys.argv[2:]:
+for config in configs:
     status, out, err = print_config(config)
     entry = {"status": status, "out": out, "err": err[-3000:]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -37,5 +39,5 @@ for config in sys.argv[2:]:
         again_status, again_out, again_err = print_config(saved)
     entry.update(again_status=again_status, again_out=again_out, again_err=again_err[-3000:])
     results[config] = entry
-with open(sys.argv[1], "w") as f:
+with open(out_path, "w") as f:
     json.dump(results, f)
