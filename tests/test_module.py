@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -399,3 +400,58 @@ def test_sdpo_teacher_is_fixed_across_updates():
             rtol=0,
             atol=1e-10,
         )
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_an_update_without_signal_moves_the_weights_only_along_adams_momentum(skip):
+    """A step with signal, then two whose groups all have equal rewards (Dr. GRPO's gradient
+    exactly 0): AdamW moves the weights on along its momentum unless
+    `skip_signal_free_updates`, which leaves them bit for bit as the signal step left them.
+    `train/signal_free` says which updates had no signal."""
+    g = torch.Generator().manual_seed(3)
+    signal = synthetic_batch(g, vocab_size=64, reward_prob=1.0)
+    flat = [synthetic_batch(g, vocab_size=64, reward_prob=1.0) for _ in range(2)]
+    for batch in flat:
+        batch.rewards = torch.ones_like(batch.rewards)  # every group: equal rewards
+    module = ComposerModule(
+        tiny_model(),
+        [DrGRPOHead()],
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        skip_signal_free_updates=skip,
+    )
+    seen: list[tuple[float, dict[str, torch.Tensor]]] = []
+
+    class Snapshot(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            weights = {n: p.detach().clone() for n, p in pl_module.policy.named_parameters()}
+            seen.append((float(trainer.callback_metrics["train/signal_free"]), weights))
+
+    trainer = quiet_trainer(max_steps=3, callbacks=[Snapshot()])
+    trainer.fit(module, train_dataloaders=DataLoader([signal, *flat], batch_size=None))
+    assert [free for free, _ in seen] == [0.0, 1.0, 1.0]
+    after_signal, after_flat = seen[0][1], seen[2][1]
+    unchanged = all(torch.equal(after_signal[n], after_flat[n]) for n in after_signal)
+    assert unchanged is skip
+
+
+def test_skipping_signal_free_updates_is_refused_under_fp16s_grad_scaler():
+    """fp16's `GradScaler` asserts on an optimizer step that saw no gradient: refused in one
+    line before anything runs; bf16 and fp32 take it."""
+    from types import SimpleNamespace
+
+    from composer_lightning.runtime.errors import ConfigError
+    from composer_lightning.runtime.inputs import check_trainer_options
+
+    def trainer(precision):
+        return SimpleNamespace(
+            state=SimpleNamespace(fn="fit"),
+            precision=precision,
+            gradient_clip_val=None,
+            accumulate_grad_batches=1,
+        )
+
+    with pytest.raises(ConfigError, match=r"skip_signal_free_updates .*precision=16-mixed"):
+        check_trainer_options(trainer("16-mixed"), skip_signal_free=True)
+    check_trainer_options(trainer("16-mixed"), skip_signal_free=False)
+    for precision in ("bf16-mixed", "32-true"):
+        check_trainer_options(trainer(precision), skip_signal_free=True)

@@ -131,10 +131,13 @@ def check_minibatches(minibatches: int, groups: int) -> None:
         )
 
 
-def check_trainer_options(trainer: Any, micro_batches: bool = False) -> None:
+def check_trainer_options(
+    trainer: Any, micro_batches: bool = False, skip_signal_free: bool = False
+) -> None:
     """ConfigError naming the option to use instead of `trainer.gradient_clip_val` or
     `trainer.accumulate_grad_batches` in a fit: the module steps its optimizer itself (manual
-    optimisation), where Lightning applies neither. With `micro_batches`, also one under
+    optimisation), where Lightning applies neither. With `skip_signal_free`, one under fp16's
+    grad scaler (`16-mixed`), whose step needs a gradient. With `micro_batches`, also one under
     `DDPStrategy`: the micro-batched step's backwards bypass Lightning's DDP bookkeeping
     (`manual_backward`), so gradients would not be reduced as DDP expects.
 
@@ -149,6 +152,13 @@ def check_trainer_options(trainer: Any, micro_batches: bool = False) -> None:
             "model.max_tokens_per_micro_batch / model.micro_batch_size are not supported under "
             "DDPStrategy: use ModelParallelStrategy (FSDP2, gradients reduced once per "
             "optimizer step) or one device, or leave micro-batches off"
+        )
+    precision = str(getattr(trainer, "precision", ""))
+    if skip_signal_free and precision == "16-mixed":
+        raise ConfigError(
+            "model.skip_signal_free_updates needs an optimizer step without a gradient, which "
+            "fp16's grad scaler (trainer.precision=16-mixed) refuses: use bf16-mixed or fp32, "
+            "or leave it off"
         )
     clip = getattr(trainer, "gradient_clip_val", None)
     if clip is not None and clip > 0:

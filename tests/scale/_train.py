@@ -84,6 +84,9 @@ heads = [
     ReplayDPOHead(weight=0.1, pairs_per_step=2, reference="model"),
     TopKOPDHead(weight=0.5),  # rollout kinds: two candidate hints (rank 1 of uneven: none)
 ]
+flat = kind.endswith("_flat")  # signal-free updates, skipped (skip_signal_free_updates)
+if flat:
+    heads = [DrGRPOHead()]
 kls: list[dict[str, float]] = []
 
 
@@ -140,6 +143,28 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
 else:
     policy = TinyLlama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, seed=0)
     data = SyntheticRolloutDataModule(vocab_size=64, seed=0)
+if flat:  # step 0: signal on rank 0 only; steps 1 and 2: none on either rank
+    batches = data.train_dataloader
+
+    def flat_batches():
+        for step, batch in enumerate(batches()):
+            if step > 0 or rank() == 1:
+                batch.rewards = torch.ones_like(batch.rewards)
+            yield batch
+
+    data.train_dataloader = flat_batches
+
+    class RecordSteps(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+            seen.append(
+                {
+                    "signal_free": float(trainer.callback_metrics["train/signal_free"]),
+                    "weights": [t.detach().clone() for t in local],
+                }
+            )
+
+    callbacks.append(RecordSteps())
 micro, collectives = {}, {"n": 0}
 if kind == "fsdp2_micro":  # before the processes start, each rank reads its own LOCAL_RANK
     micro = {"max_tokens_per_micro_batch": 20 if os.environ.get("LOCAL_RANK") == "1" else 60}
@@ -158,8 +183,11 @@ module = ComposerModule(
     policy,
     heads,
     teacher=tiny_policy_path() if kind.endswith("_rollout") else None,
-    optimizer=lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3),
+    optimizer=(lambda p: torch.optim.AdamW(p, lr=1e-2))  # momentum: what a skip leaves out
+    if flat
+    else (lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3)),
     **({} if rollouts else {"max_grad_norm": None}),
+    **({"skip_signal_free_updates": True} if flat else {}),
     **micro,
 )
 trainer = L.Trainer(

@@ -72,6 +72,20 @@ def test_fsdp2_in_micro_batches_equals_fsdp2_and_syncs_once_per_step(train):
     assert counts == [r["collectives"] for r in whole] and counts[0] == counts[1] > 0
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_signal_free_update_is_skipped_on_every_rank_or_on_none(train, strategy):
+    """`skip_signal_free_updates` decides on the gradient of all ranks: step 0 has signal on
+    rank 0 only, and both ranks step (rank 1's own gradient was 0); steps 1 and 2 have none
+    on either rank, and both leave every weight bit for bit as step 0 left it (AdamW's
+    momentum would have moved them)."""
+    ranks = train(f"{strategy}_flat")
+    for seen in (r["seen"] for r in ranks):
+        assert [s["signal_free"] for s in seen] == [0.0, 1.0, 1.0]
+        after_signal, *after_flat = (s["weights"] for s in seen)
+        for weights in after_flat:
+            assert all(torch.equal(a, b) for a, b in zip(after_signal, weights, strict=True))
+
+
 def test_fsdp2_matches_ddp_with_the_default_clip_and_canary_on_rollouts(train):
     """The rollout path with the module's defaults: every step's gradient norm (over the whole
     model, both ranks' average) is above `max_grad_norm=1.0`, so the clip binds, and equals
