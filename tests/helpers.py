@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import torch
@@ -38,6 +39,17 @@ def quiet_trainer(**kwargs) -> L.Trainer:
         enable_model_summary=False,
     )
     return L.Trainer(**(defaults | kwargs))
+
+
+def fit_trainer_stub(**attrs: Any) -> SimpleNamespace:
+    """What `check_trainer_options` reads of a trainer in a fit, with Lightning's defaults
+    (no clip, no accumulation); `attrs` add or replace fields (`strategy`, `precision`)."""
+    return SimpleNamespace(
+        state=SimpleNamespace(fn="fit"),
+        gradient_clip_val=None,
+        accumulate_grad_batches=1,
+        **attrs,
+    )
 
 
 def tiny_model(

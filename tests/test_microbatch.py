@@ -98,20 +98,14 @@ def test_micro_batches_give_the_unbatched_loss_and_gradients(aggregation):
 def test_micro_batches_under_ddp_are_one_configuration_line():
     """DDP's reducer is driven through `manual_backward`; the micro-batched backwards are not,
     so DDP with micro-batches is refused before anything runs."""
-    from types import SimpleNamespace
-
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     from composer_lightning.runtime.errors import ConfigError
     from composer_lightning.runtime.inputs import check_trainer_options
+    from tests.helpers import fit_trainer_stub
 
     def trainer(strategy):
-        return SimpleNamespace(
-            state=SimpleNamespace(fn="fit"),
-            strategy=strategy,
-            gradient_clip_val=None,
-            accumulate_grad_batches=1,
-        )
+        return fit_trainer_stub(strategy=strategy)
 
     with pytest.raises(ConfigError, match="not supported under DDPStrategy: use ModelParallel"):
         check_trainer_options(trainer(DDPStrategy(process_group_backend="gloo")), True)

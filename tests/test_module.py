@@ -437,18 +437,12 @@ def test_an_update_without_signal_moves_the_weights_only_along_adams_momentum(sk
 def test_skipping_signal_free_updates_is_refused_under_fp16s_grad_scaler():
     """fp16's `GradScaler` asserts on an optimizer step that saw no gradient: refused in one
     line before anything runs; bf16 and fp32 take it."""
-    from types import SimpleNamespace
-
     from composer_lightning.runtime.errors import ConfigError
     from composer_lightning.runtime.inputs import check_trainer_options
+    from tests.helpers import fit_trainer_stub
 
     def trainer(precision):
-        return SimpleNamespace(
-            state=SimpleNamespace(fn="fit"),
-            precision=precision,
-            gradient_clip_val=None,
-            accumulate_grad_batches=1,
-        )
+        return fit_trainer_stub(precision=precision)
 
     with pytest.raises(ConfigError, match=r"skip_signal_free_updates .*precision=16-mixed"):
         check_trainer_options(trainer("16-mixed"), skip_signal_free=True)
