@@ -1,4 +1,8 @@
-"""ComposerModule and the public Objective on a tiny random model with hand-made batches."""
+"""ComposerModule and the public Objective on a tiny random model with hand-made batches.
+
+Why this file is long: every test here drives the module's one training step (or the
+objective it calls) on the same hand-made batches and helpers; split by topic, each part would
+import the same fixtures."""
 
 from __future__ import annotations
 

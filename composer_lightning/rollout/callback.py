@@ -73,8 +73,7 @@ def reads_teacher(pl_module: Any) -> bool:
     if objective is None:
         return True
     step = getattr(pl_module, "global_step", None)
-    updates = getattr(pl_module, "ppo_epochs", 1) * getattr(pl_module, "minibatches", 1)
-    return objective.reads_teacher(step, updates)
+    return objective.reads_teacher(step, getattr(pl_module, "updates_per_batch", 1))
 
 
 class RolloutCallback(L.Callback):

@@ -306,6 +306,11 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
     def heads(self) -> list[Head]:
         return self.objective.heads
 
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps per rollout batch: `ppo_epochs × minibatches`."""
+        return self.ppo_epochs * self.minibatches
+
     # ----------------------------------------------------------------- setup
     def configure_model(self) -> None:
         """FSDP2 under ModelParallelStrategy: the policy (`models.sharding.shard_fsdp2`) and the
@@ -333,7 +338,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         # a collapse is said as it happens, with the trainer's own thresholds if it has a watch
         watched = any(isinstance(c, CollapseWatch) for c in self.trainer.callbacks)
         watch = [] if watched else [CollapseWatch()]
-        steps = OptimizerSteps(self.ppo_epochs * self.minibatches)  # one step axis
+        steps = OptimizerSteps(self.updates_per_batch)  # one step axis
         return bar + watch + [steps, AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
 
     def configure_optimizers(self) -> Any:
