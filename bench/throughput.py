@@ -2,7 +2,7 @@
 strictly on-policy loop, TRL, and the two bounds, side by side.
 
     python bench/throughput.py [--rounds 2] [--steps 8] [--models tiny 20M]
-        [--runs k=0@2 k=1 ...] [--trl-python PYTHON] [--accuracy]
+        [--runs k=0@2 k=1 ...] [--trl-python PYTHON] [--lora R] [--accuracy]
 
 The same batch everywhere: 8 prompts × G = 4 of the arithmetic task, Dr. GRPO only, one update
 per rollout batch, fp32, fused AdamW (lr 1e-4, no weight decay: TRL's defaults), gradient
@@ -19,8 +19,11 @@ clipping at 1. Every row states its cores; the comparisons are at equal cores:
 - `train` (1): training alone, the trainer on 1 thread on the batches `gen` recorded (an
   engine that replays them: scoring, the update, the metrics write; no generation, no push).
 Overlap at its best makes a step max(gen, train); `s/step ÷ max` says how far k ≥ 1 is from it.
-TRL runs with `--trl-python` (an interpreter with the `bench` extra, `pip install -e .[bench]`;
-never a test dependency); without TRL its rows are left out.
+`--lora R` trains LoRA adapters of rank R (alpha 2R, on the attention and MLP projections) on
+both sides: `ComposerModule(peft=...)` here (the engine gets the merged weights), the same
+`LoraConfig` as TRL's `peft_config`; `trained params` says what each row trained. TRL runs
+with `--trl-python` (an interpreter with the `bench` extra, `pip install -e .[bench]`; never a
+test dependency); without TRL its rows are left out.
 
 Models: the shipped tiny policy (≈ 3 new tokens per answer), a 20M random Llama (vocab
 8192, hidden 512, 6 layers) that writes 32 new tokens, and `smollm2` (SmolLM2-135M-Instruct,
@@ -122,6 +125,7 @@ def measure(run: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [python, __file__, "--worker", run, model, "--steps", str(args.steps), "--tmp", tmp]
+    cmd += ["--lora", str(args.lora)]
     before, (busy, own), start = load(), cpu_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -138,7 +142,7 @@ def measure(run: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
     return out
 
 
-def worker(run: str, model: str, steps: int, tmp: str) -> dict:
+def worker(run: str, model: str, steps: int, tmp: str, lora: int = 0) -> dict:
     import throughput_runs as runs
 
     path = model_dir(model, tmp)
@@ -146,11 +150,11 @@ def worker(run: str, model: str, steps: int, tmp: str) -> dict:
     threads = RUNS[run][0]
     record = str(Path(tmp) / f"recorded_{model}.json")
     if run in TRL_RUNS:
-        return runs.trl(path, steps, max_tokens, threads)
+        return runs.trl(path, steps, max_tokens, threads, lora)
     if run == "gen":
         return runs.generation(path, steps, max_tokens, threads, record)
     k = None if run == "train" else int(run[2])
-    return runs.ours(path, k, steps, max_tokens, threads, record)
+    return runs.ours(path, k, steps, max_tokens, threads, record, lora)
 
 
 def accuracy(seeds: list[int]) -> list[str]:
@@ -203,12 +207,16 @@ def _ms(x: float) -> str:
     return "—" if x != x else f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
 
 
+def _params(n: int | None) -> str:
+    return "—" if n is None else f"{n / 1e6:.2f}M"
+
+
 def tables(args: argparse.Namespace, runs: list[str], results: dict) -> list[str]:
     """The throughput table and the split of the trainer's step, as markdown lines."""
     lines = [
         "| model | run | cores | s/step | vs k=0@2 | vs TRL@2 | s/step ÷ max(gen, train) "
-        "| generated tok/s | push ms | logging ms | load | others' cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| generated tok/s | push ms | logging ms | load | others' cores | trained params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     split = [
         "| model | run | step ms | generate ms | wait ms | score ms | canary ms | update ms "
@@ -232,7 +240,8 @@ def tables(args: argparse.Namespace, runs: list[str], results: dict) -> list[str
             lines.append(
                 f"| {model} | {run} | {RUNS[run][1]} | {med[run]:.3f} | {vs0} | {vs_trl} | "
                 f"{near} | {m('tok_s'):.0f} | {_ms(m('push_ms'))} | {_ms(m('log_ms'))} | "
-                f"{min(loads):.1f}–{max(loads):.1f} | {m('others'):.2f} |"
+                f"{min(loads):.1f}–{max(loads):.1f} | {m('others'):.2f} | "
+                f"{_params(rs[0].get('trained'))} |"
             )
             if "parts_ms" not in rs[0]:
                 continue
@@ -264,13 +273,20 @@ def main() -> None:
     )
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--trl-python", default=sys.executable, help="an interpreter with TRL")
+    ap.add_argument(
+        "--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tune)"
+    )
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from throughput_runs import WARMUP
+
+    if args.steps < WARMUP + 2:  # steps are timed start to start: steps - 1 intervals
+        ap.error(f"--steps {args.steps}: at least {WARMUP + 2} (the first {WARMUP} are warm-up)")
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.steps, args.tmp)))
+        print(json.dumps(worker(*args.worker, args.steps, args.tmp, args.lora)))
         sys.stdout.flush()
         os._exit(0)  # an in-process vLLM engine may not exit cleanly
     has_trl = subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True)
@@ -287,7 +303,9 @@ def main() -> None:
                 for run in order:
                     results.setdefault((model, run), []).append(measure(run, model, args, tmp))
     print(
-        f"\n8 prompts x G=4, Dr. GRPO, 1 update per batch, fp32, {args.steps} steps per run, "
+        f"\n8 prompts x G=4, Dr. GRPO, 1 update per batch, fp32, "
+        f"{f'LoRA r {args.lora} on both sides' if args.lora else 'full fine-tune'}, "
+        f"{args.steps} steps per run, "
         f"medians over {args.rounds} alternated rounds; /proc/loadavg before: {start_load}, "
         f"after: {Path('/proc/loadavg').read_text().strip()}"
     )

@@ -103,6 +103,19 @@ class ReplayEngine:
         return 1
 
 
+#: the projections LoRA adapts on both sides (`--lora R`): attention and MLP, as bench/step_cost.py
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+
+
+def lora_config(rank: int) -> Any:
+    """peft's LoraConfig at rank `rank` (alpha 2r, no dropout), or None for a full fine-tune."""
+    if not rank:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
+
+
 def _optimizer(params: Iterable) -> Any:
     import torch
 
@@ -110,9 +123,12 @@ def _optimizer(params: Iterable) -> Any:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
 
 
-def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, record: str) -> dict:
+def ours(
+    path: str, k: int | None, steps: int, max_tokens: int, threads: int, record: str, lora: int = 0
+) -> dict:
     """This library's loop with `max_staleness` k; k None: `training`, on the batches that
-    `generation` recorded in the file `record`."""
+    `generation` recorded in the file `record`. `lora` > 0: LoRA at that rank (the engine gets
+    the merged weights)."""
     import lightning as L
     import torch
 
@@ -171,7 +187,9 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
     # replayed batches carry the log-probs of the weights that generated them, not the
     # trainer's: no canary there
     gap = None if k is None else "auto"
-    module = ComposerModule(path, [DrGRPOHead()], optimizer=_optimizer, max_logprob_gap=gap)
+    module = ComposerModule(
+        path, [DrGRPOHead()], optimizer=_optimizer, max_logprob_gap=gap, peft=lora_config(lora)
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -184,6 +202,7 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
         callbacks=[Clock(), callback],
     )
     trainer.fit(module, RolloutDataModule(prompts_per_step=8, val_prompts=0))
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     step = _median(times[WARMUP:])
     parts = timers.medians_ms(len(times))
@@ -191,6 +210,7 @@ def ours(path: str, k: int | None, steps: int, max_tokens: int, threads: int, re
         parts[key] = parts.get(key, 0.0) - parts.get(key.replace("update", "logging"), 0.0)
     return {
         "step_s": step,
+        "trained": trained,
         "tok_s": _median(tokens[WARMUP:]) / step,
         "push_ms": parts.get("push", float("nan")),
         "log_ms": parts.get("logging", float("nan")),
@@ -242,8 +262,9 @@ def generation(path: str, steps: int, max_tokens: int, threads: int, record: str
     }
 
 
-def trl(path: str, steps: int, max_tokens: int, threads: int) -> dict:
-    """TRL 1.16's GRPOTrainer, Dr. GRPO, HF generate, fp32, no activation checkpointing."""
+def trl(path: str, steps: int, max_tokens: int, threads: int, lora: int = 0) -> dict:
+    """TRL 1.16's GRPOTrainer, Dr. GRPO, HF generate, fp32, no activation checkpointing;
+    `lora` > 0: its `peft_config` at that rank, the same LoraConfig as this library's rows."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -303,10 +324,12 @@ def trl(path: str, steps: int, max_tokens: int, threads: int) -> dict:
             train_dataset=data,
             processing_class=AutoTokenizer.from_pretrained(path),
             callbacks=[Clock()],
+            peft_config=lora_config(lora),
         )
         trainer.train()
+        trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     step = _median(times[WARMUP:])
     nan = float("nan")
     tok_s = _median(lengths[WARMUP:]) / step if len(lengths) > WARMUP else nan
-    return {"step_s": step, "tok_s": tok_s, "push_ms": nan, "log_ms": nan}
+    return {"step_s": step, "trained": trained, "tok_s": tok_s, "push_ms": nan, "log_ms": nan}

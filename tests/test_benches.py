@@ -179,6 +179,20 @@ SMOKES = {
             rf"^\| tiny \| k=0@1 \| \d+ \| {POS} \| {NUM} \| {POS} \| {NUM} \| {POS} \|",
             rf"^\| tiny \| k=1 \| \d+ \| {NUM} \| {NUM} \| {POS} \| {POS} \| {POS} \|",
             r"^(\| tiny \| trl@1 \||TRL is not importable by )",
+            r"full fine-tune, 5 steps per run",
+            r"^\| tiny \| k=0@1 \| .* \| 0\.71M \|$",  # every parameter trained
+        ),
+        vllm=True,
+    ),
+    # LoRA on both sides: this library's row trains the adapters only (the tiny policy's full
+    # fine-tune trains 0.71M parameters; rank 4 on its projections, 0.02M)
+    "throughput_lora": Smoke(
+        "throughput.py",
+        "--rounds 1 --steps 5 --models tiny --runs k=0@1 trl@1 --lora 4",
+        (
+            r"LoRA r 4 on both sides",
+            r"^\| tiny \| k=0@1 \| [^|]+ \| \d+\.\d{3} \|.* \| 0\.0[1-9]M \|$",
+            r"^(\| tiny \| trl@1 \|.* \| 0\.0[1-9]M \|$|TRL is not importable by )",
         ),
         vllm=True,
     ),
