@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from composer_lightning.envs import PythonToolEnv
@@ -69,11 +71,57 @@ def test_a_wrong_answer_gets_an_error_derived_hint() -> None:
     assert final_answer(f"{CALL}\nSo 168.") == 168 and final_answer(CALL) is None
 
 
+def test_two_terms_sample_the_problems_they_always_did() -> None:
+    """`terms` left at 2 draws a, b, then the phrasing, as before it existed: every seed's
+    problems (and so the held-out split and the shipped demonstrations) are unchanged."""
+    rng, task = random.Random(11), ToolCalc()
+    for problem in task.samples(50, seed=11):
+        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        phrasing = int(rng.random() < 0.5)
+        assert (problem["a"], problem["b"], problem["phrasing"]) == (a, b, phrasing)
+        assert problem["terms"] == [a, b]
+
+
+def test_three_terms_ask_a_chain_of_calls() -> None:
+    task = ToolCalc(terms=3)
+    for p in task.samples(40, seed=0):
+        assert len(p["terms"]) == 3 and int(p["answer"]) == sum(p["terms"])
+        assert all(10 <= v <= 999 for v in p["terms"])
+    assert task.make(123, 45, 0, (678,))["messages"][0]["content"] == "What is 123 + 45 + 678?"
+    assert task.make(123, 45, 1, (678,))["messages"][0]["content"] == (
+        "Let x = 123, y = 45 and z = 678. What is x + y + z?"
+    )
+    assert ToolCalc(terms=4, max_calls=4).make(1, 2, 1, (3, 4))["messages"][0]["content"] == (
+        "Let x = 1, y = 2, z = 3 and u = 4. What is x + y + z + u?"
+    )
+    problem = task.make(123, 45, 0, (678,))
+    assert task.verify(problem, "The answer is 846.").reward == 1.0
+    assert task.verify(problem, "The answer is 168.").reward == 0.0  # the first call's sum
+
+
+def test_a_three_term_demonstration_chains_its_calls_through_the_environment() -> None:
+    """Each call adds the next term to the last result, the tool answers each (the
+    environment ran them), and the answer is the sum."""
+    task = ToolCalc(terms=3)
+    record = task.demonstration(task.make(123, 45, 0, (678,)))
+    calls = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    assert calls == [
+        '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 45}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": 168, "b": 678}}</tool_call>',
+        "The answer is 846.",
+    ]
+    assert [m["content"] for m in record["messages"] if m["role"] == "tool"] == ["168", "846"]
+    assert record["reward"] == 1.0 and [t["function"]["name"] for t in record["tools"]] == ["add"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"min_value": 50, "max_value": 10}, "got 50, 10"),
         ({"xy_share": 1.5}, "xy_share must be in \\[0, 1\\], got 1.5"),
+        ({"terms": 1}, "terms must be an integer in \\[2, 6\\], got 1"),
+        ({"terms": 7}, "got 7"),
+        ({"terms": 4}, "terms=4 takes 3 calls and an answer, so max_calls must be >= 4.*got 3"),
     ],
 )
 def test_bad_settings_name_the_value(kwargs, match) -> None:
