@@ -377,7 +377,7 @@ def main() -> None:
         args.shapes, args.steps, args.threads = ["4x32"], 1, 1
         args.micro_T, args.micro_tokens = 32, 64
     if args.micro_rows:
-        micro_table(args)
+        exit_on_errors(micro_table(args))
         return
     avail = args.memory_gib or _mem_available_gib()
     rows, first_full = [], None
@@ -456,6 +456,15 @@ def main() -> None:
                 f"{h['peak_GiB'] / c['peak_GiB']:.2f} | {c['step_s']:.1f} | {h['step_s']:.1f} | "
                 f"{h['step_s'] / c['step_s']:.2f} |"
             )
+    exit_on_errors([r for row in rows for r in row[2:]])
+
+
+def exit_on_errors(runs: list) -> None:
+    """Exit 1 when any measured run failed: its row says `error: ...` above, and a bench that
+    printed one must not look like a clean measurement to a script or CI."""
+    failed = [r for r in runs if isinstance(r, dict) and "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed: see the error rows above")
 
 
 def first_error(*runs: dict) -> object:
@@ -474,7 +483,7 @@ def widths_for(smoke: bool, hidden: int | None) -> dict:
     return dict(SMOKE_WIDTHS, vocab_size=QWEN_WIDTHS["vocab_size"], hidden_size=hidden)
 
 
-def micro_table(args: argparse.Namespace) -> None:
+def micro_table(args: argparse.Namespace) -> list[dict]:
     """Peak RSS and time per token of a step as the rollout batch grows: one forward per
     minibatch (the baseline) vs micro-batches under a fixed token budget, each its own process."""
     ckpt, smoke = not args.no_checkpointing, args.smoke
@@ -532,6 +541,7 @@ def micro_table(args: argparse.Namespace) -> None:
                 for a, b in ((o1, o2), (m1, m2))
             ]
             print(f"| {o1['B']} → {o2['B']} | {marginal[0]:.2f} | {marginal[1]:.2f} |")
+    return [r for _, one, micro in rows for r in (one, micro)]
 
 
 def _mem_available_gib() -> float:

@@ -287,3 +287,13 @@ def test_every_bench_has_a_smoke_run() -> None:
         assert Path(bench).stem in (ROOT / where).read_text(), f"{where} does not run {bench}"
     stale = sorted((smoked | set(ELSEWHERE)) - set(benches))
     assert not stale, f"smoke runs of benches that are gone: {stale}"
+
+
+def test_a_bench_with_an_error_row_exits_1(tmp_path: Path) -> None:
+    """A run that fails prints its row as `error: ...` and the bench exits 1, so a script or CI
+    does not take the table for a clean measurement (an empty batch fails in the worker)."""
+    smoke = Smoke("memory.py", "--shapes 0x8 --steps 1 --threads 1 --hidden 32", ())
+    proc = run_bench(smoke, tmp_path)
+    assert re.search(r"^\| 0x8 \| .* \| error: ", proc.stdout, re.MULTILINE), proc.stdout[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "run(s) failed: see the error rows above" in proc.stderr
