@@ -14,7 +14,9 @@ the two-term task (`demonstration`) does not solve it by imitation; RL has a tas
 
 The verifier reads the final answer: the text after the last `</tool_call>` (so a message that
 ends with a call has no answer), and in it the last integer; 1.0 when it is the sum, 0.0
-otherwise, with the error-derived hint of `Arithmetic` (the digit count and a wrong digit).
+otherwise, with the error-derived hint of `Arithmetic` (the digit count and a wrong digit); with
+three or more terms, an answer that is the sum of only the first few ("1088 is the sum of the
+first 2 numbers only: add 326 to it.") gets a hint saying what the chain left out.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def final_answer(completion: str) -> int | None:
     """The last integer after the last tool call of `completion` (None: no answer there)."""
     found = _INT.findall(completion.rpartition(CALL_CLOSE)[2])
     return int(found[-1]) if found else None
+
+
+def partial_sum_hint(terms: list[int], guess: int | None) -> str | None:
+    """With three or more terms, the hint for an answer that is the sum of the first k < n
+    of them (the chain of calls stopped early): which number it left out; else None."""
+    for k in range(2, len(terms)):
+        if guess == sum(terms[:k]):
+            rest = " and then ".join(str(v) for v in terms[k:])
+            return f"{guess} is the sum of the first {k} numbers only: add {rest} to it."
+    return None
 
 
 class ToolCalc(Task):
@@ -165,4 +177,6 @@ class ToolCalc(Task):
         guess = final_answer(completion)
         if guess == answer:
             return Verdict(1.0, None)
-        return Verdict(0.0, number_hint(answer, guess))
+        return Verdict(
+            0.0, partial_sum_hint(problem.get("terms", []), guess) or number_hint(answer, guess)
+        )

@@ -99,6 +99,25 @@ def test_three_terms_ask_a_chain_of_calls() -> None:
     assert task.verify(problem, "The answer is 168.").reward == 0.0  # the first call's sum
 
 
+def test_an_answer_that_stops_the_chain_early_is_told_what_it_left_out() -> None:
+    """The error of a chain stopped after k calls is its partial sum: the hint names the
+    numbers not yet added; any other wrong answer keeps the digit hint."""
+    task = ToolCalc(terms=3)
+    problem = task.make(523, 565, 0, (326,))
+    assert task.verify(problem, "The answer is 1088.") == Verdict(
+        0.0, "1088 is the sum of the first 2 numbers only: add 326 to it."
+    )
+    assert task.verify(problem, "The answer is 1000.").hint == (
+        "The answer has 4 digits; the last digit is 4."
+    )
+    four = ToolCalc(terms=4, max_calls=4).make(1, 2, 0, (3, 4))
+    assert ToolCalc(terms=4, max_calls=4).verify(four, "3").hint == (
+        "3 is the sum of the first 2 numbers only: add 3 and then 4 to it."
+    )
+    two = ToolCalc().make(523, 565)  # two terms: a first term alone is not a partial chain
+    assert ToolCalc().verify(two, "523").hint.startswith("The answer has 4 digits")
+
+
 def test_a_three_term_demonstration_chains_its_calls_through_the_environment() -> None:
     """Each call adds the next term to the last result, the tool answers each (the
     environment ran them), and the answer is the sum."""
