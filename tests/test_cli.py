@@ -106,7 +106,10 @@ def test_unknown_head_class_is_a_clear_error(tmp_path):
     assert "composer_lightning.heads.nope.NopeHead" in out.stderr
 
 
-CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "*.yaml")))
+CONFIGS = sorted(
+    glob.glob(str(ROOT / "configs" / "*.yaml"))
+    + glob.glob(str(ROOT / "configs" / "ablation" / "*.yaml"))
+)
 
 
 @pytest.fixture(scope="module")
