@@ -1,7 +1,8 @@
 """Run by tests/test_cli.py in a subprocess: for each config on the command line, what
 `fit --config <config> --print_config` prints (what a run saves as its `config.yaml`), and
-what that printed form prints when given back. One process for every config: the imports
-(≈ 7 s) are paid once, not twice per config. Writes one JSON object to the path in argv[1]:
+what that printed form prints when given back. A config written `base.yaml,overlay.yaml` is
+given as `--config base.yaml --config overlay.yaml`, the overlay read last. One process for
+every config: the imports (≈ 7 s) are paid once, not twice per config. Writes one JSON object to the path in argv[1]:
 {config: {"status", "out", "err", "again_status", "again_out", "again_err"}}."""
 
 import contextlib
@@ -16,9 +17,10 @@ from composer_lightning.cli import main
 
 def print_config(config: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
+    args = [arg for path in config.split(",") for arg in ("--config", path)]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            status = main(["fit", "--config", config, "--print_config"])
+            status = main(["fit", *args, "--print_config"])
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else 1
             if not isinstance(exc.code, int | None):
