@@ -16,7 +16,7 @@ from composer_lightning.tasks.base import (
     Task,
     Verdict,
 )
-from composer_lightning.tasks.hints import FunctionHint, ToolErrorHint
+from composer_lightning.tasks.hints import EpisodeHint, FunctionHint, ToolErrorHint
 from composer_lightning.tasks.registry import BUILTIN_TASKS, get_task
 from composer_lightning.tasks.reverse import ReverseDigits
 from composer_lightning.tasks.rewards import FunctionScore
@@ -26,6 +26,7 @@ __all__ = [
     "BUILTIN_TASKS",
     "AnswerHint",
     "Arithmetic",
+    "EpisodeHint",
     "FunctionHint",
     "FunctionScore",
     "HintProvider",

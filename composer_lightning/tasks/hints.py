@@ -1,4 +1,5 @@
-"""Hint providers beside the verifier's: a plain function, and the tool's own error."""
+"""Hint providers beside the verifier's: a plain function, the tool's own error, and one that
+hints a turn by its place in the episode."""
 
 from __future__ import annotations
 
@@ -66,3 +67,42 @@ class ToolErrorHint(HintProvider):
             else self.template.replace("{error}", str(p["tool_error"]))
             for p in problems
         ]
+
+
+class EpisodeHint(HintProvider):
+    """Hints by where a turn stands in its episode: a turn with a next state (a tool call and
+    the tool's reply, a message and the user's answer) gets `turns`' hint, the episode's last
+    turn (its answer) gets `answer`'s. E.g. `turns=ToolErrorHint()` and `answer=VerifierHint()`
+    on a chain of tool calls: a call the tool rejected is hinted with the tool's error, an
+    answer that stopped the chain early with what it left out (`tool_calc`'s partial sums),
+    and a correct call gets no hint (the verifier would read it as an answer with no number).
+
+    A turn with a next state is one whose problem carries `turn` (its index), as the rollout
+    gives it (`rollout/dispatch.py`, `turn_problem`); single-turn samples are answers.
+
+    Args:
+        answer: the provider of the episode's last turn; None: that turn gets no hint.
+        turns: the provider of every other turn; None: those turns get no hint.
+    """
+
+    def __init__(
+        self, answer: HintProvider | None = None, turns: HintProvider | None = None
+    ) -> None:
+        if answer is None and turns is None:
+            raise ValueError("EpisodeHint needs a provider: give `answer`, `turns` or both")
+        self.answer, self.turns = answer, turns
+
+    def hints(self, problems: list[Problem], completions: list[str]) -> list[str | None]:
+        check_lengths(problems, completions)
+        out: list[str | None] = [None] * len(problems)
+        for provider, is_turn in ((self.turns, True), (self.answer, False)):
+            picked = [i for i, p in enumerate(problems) if ("turn" in p) == is_turn]
+            if provider is None or not picked:
+                continue
+            values = provider.hints([problems[i] for i in picked], [completions[i] for i in picked])
+            check_lengths(picked, values)
+            for i, value in zip(picked, values, strict=True):
+                out[i] = value
+            self.failures += getattr(provider, "failures", 0) or 0
+            provider.failures = 0
+        return out

@@ -243,6 +243,59 @@ def test_a_tool_error_is_the_hint_of_the_turn_that_caused_it():
         ToolErrorHint("no placeholder")
 
 
+def test_an_episode_hint_hints_calls_by_the_tools_error_and_the_answer_by_the_verifier():
+    """On a chain of calls (`tool_calc`, three terms): a rejected call gets the tool's error, a
+    correct call no hint (the verifier alone would ask it for a number), an answer that stopped
+    the chain early what it left out, a right answer none."""
+    from composer_lightning.envs.base import Observation
+    from composer_lightning.rollout.dispatch import turn_problem
+    from composer_lightning.rollout.episodes import Turn
+    from composer_lightning.tasks import EpisodeHint, ToolErrorHint, VerifierHint
+    from composer_lightning.tasks.tool_calc import ToolCalc
+
+    problem = ToolCalc(terms=3).make(523, 565, more=(326,))
+    assert problem["answer"] == "1414"
+    call = '<tool_call>{"name": "add", "arguments": {"a": 523, "b": 565}}</tool_call>'
+
+    def called(error: str | None) -> dict:  # what the rollout gives a provider for a call
+        reply = Observation(
+            [{"role": "tool", "content": error or "1088"}], info={"tool_error": error}
+        )
+        done = Turn(problem["messages"], [1, 2], Completion([3], [-0.1], "stop"), call, reply)
+        return turn_problem(problem, done, 0)
+
+    problems = [called(None), called("add() missing b"), problem, problem]
+    texts = [call, call, "The answer is 1088.", "The answer is 1414."]
+    verifier = VerifierHint("tool_calc")
+    assert verifier.hints(problems[:1], texts[:1])[0].startswith("Reply with a number.")
+    hints = EpisodeHint(answer=verifier, turns=ToolErrorHint()).hints(problems, texts)
+    assert hints == [
+        None,
+        "add() missing b",
+        "1088 is the sum of the first 2 numbers only: add 326 to it.",
+        None,
+    ]
+    assert EpisodeHint(turns=ToolErrorHint()).hints(problems, texts) == [
+        None,
+        "add() missing b",
+        None,
+        None,
+    ]
+    with pytest.raises(ValueError, match="needs a provider"):
+        EpisodeHint()
+
+
+def test_an_episode_hint_passes_on_its_providers_failures():
+    from composer_lightning.tasks import EpisodeHint, FunctionHint
+
+    def broken(problem, completion):
+        raise RuntimeError("boom")
+
+    hint = EpisodeHint(answer=FunctionHint(broken, timeout=None))
+    assert hint.hints([{}, {"turn": 0}], ["a", "b"]) == [None, None]
+    assert hint.failures == 1 and hint.answer.failures == 0
+
+
 def test_the_next_state_prm_scores_plus_or_minus_one_on_a_strict_majority(tokenizer):
     from composer_lightning.tasks import NextStateJudgeScore
 
