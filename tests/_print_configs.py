@@ -1,9 +1,10 @@
-"""Run by tests/test_cli.py in a subprocess: for each config on the command line, what
+"""Run by tests/test_config_files.py in a subprocess: for each config on the command line, what
 `fit --config <config> --print_config` prints (what a run saves as its `config.yaml`), and
 what that printed form prints when given back. A config written `base.yaml,overlay.yaml` is
 given as `--config base.yaml --config overlay.yaml`, the overlay read last. One process for
-every config: the imports (≈ 7 s) are paid once, not twice per config. Writes one JSON object to the path in argv[1]:
-{config: {"status", "out", "err", "again_status", "again_out", "again_err"}}."""
+every config: the imports (≈ 7 s) are paid once, not twice per config. Writes one JSON object
+to the path in argv[1]: {config: {"status", "out", "err", "again_status", "again_out",
+"again_err"}}."""
 
 import contextlib
 import io
