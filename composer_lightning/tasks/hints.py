@@ -103,6 +103,6 @@ class EpisodeHint(HintProvider):
             check_lengths(picked, values)
             for i, value in zip(picked, values, strict=True):
                 out[i] = value
-            self.failures += getattr(provider, "failures", 0) or 0
+            self.failures += provider.failures  # counted here, as `provider_values` reads it
             provider.failures = 0
         return out
