@@ -23,7 +23,7 @@ from composer_lightning.runtime.checkpoint_io import AtomicCheckpointIO
 from composer_lightning.runtime.errors import CheckpointWriteError
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import FillDiskAt, tiny_model
-from tests.test_cli import ROOT, run_cli
+from tests.test_cli import ROOT, run_cli, run_main
 
 CONFIG = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
 
@@ -231,12 +231,12 @@ def test_a_run_directory_turned_read_only_mid_run_stops_with_one_line(
     assert out.stderr.splitlines() == [f"composer_lightning: {first}"]
 
 
-def test_a_truncated_checkpoint_is_refused_in_one_line_before_anything_starts(tmp_path):
+def test_a_truncated_checkpoint_is_refused_in_one_line_before_anything_starts(tmp_path, capfd):
     buffer = io.BytesIO()
     torch.save({"state_dict": {"w": torch.zeros(1 << 18)}, "global_step": 1}, buffer)
     truncated = tmp_path / "last.ckpt"
     truncated.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-    out = run_cli("fit", *_cli_args(tmp_path / "run"), f"--ckpt_path={truncated}")
+    out = run_main(capfd, "fit", *_cli_args(tmp_path / "run"), f"--ckpt_path={truncated}")
     assert out.returncode == 1
     (line,) = out.stderr.splitlines()
     assert line.startswith(f"composer_lightning: cannot read checkpoint {truncated} (truncated")

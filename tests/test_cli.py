@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import random
@@ -39,6 +40,31 @@ def run_cli(
         text=True,
         timeout=300,
     )
+
+
+def run_main(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m composer_lightning ARGS` run inside the test process, with its exit status
+    and its output as `run_cli` returns them: for a run that ends at its configuration (a
+    one-line error, `--print_config`) before any model is trained or engine started. It saves
+    a new interpreter's imports (≈ 7 s) per case; a run that trains or starts vLLM (which
+    changes the process it runs in) takes `run_cli`. The environment and working directory are
+    `run_cli`'s, and put back afterwards."""
+    from unittest import mock
+
+    from composer_lightning.cli import main
+
+    capfd.readouterr()  # what the test printed before is not the run's
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with mock.patch.dict(os.environ, env), contextlib.chdir(ROOT):
+        try:
+            status = main(list(args))
+        except SystemExit as exc:  # as the interpreter ends: a message is printed, status 1
+            status = exc.code
+            if not isinstance(status, int | None):
+                print(status, file=sys.stderr)
+                status = 1
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["composer_lightning", *args], int(status or 0), out, err)
 
 
 def test_heads_lists_every_builtin():
@@ -92,7 +118,7 @@ def test_plugin_package_installs_and_trains_one_step(tmp_path):
     assert "fast_dev_run" in fit.stderr + fit.stdout
 
 
-def test_unknown_head_class_is_a_clear_error(tmp_path):
+def test_unknown_head_class_is_a_clear_error(tmp_path, capfd):
     cfg = (ROOT / "examples" / "custom_head" / "config.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     bad.write_text(
@@ -100,7 +126,7 @@ def test_unknown_head_class_is_a_clear_error(tmp_path):
             "my_heads.length_penalty.LengthPenaltyHead", "composer_lightning.heads.nope.NopeHead"
         )
     )
-    out = run_cli("fit", "--config", str(bad))
+    out = run_main(capfd, "fit", "--config", str(bad))
     assert out.returncode != 0
     assert "composer_lightning.heads.nope.NopeHead" in out.stderr
 
@@ -189,9 +215,9 @@ def test_checkpoint_restores_the_rng_states():
         ),
     ],
 )
-def test_bad_settings_give_a_one_line_error(override, message):
+def test_bad_settings_give_a_one_line_error(override, message, capfd):
     config = str(ROOT / "configs" / "synthetic_demo.yaml")
-    out = run_cli("fit", "--config", config, *override.split())
+    out = run_main(capfd, "fit", "--config", config, *override.split())
     assert out.returncode != 0
     assert "invalid configuration" in out.stderr and message in out.stderr
     assert "Traceback" not in out.stderr
@@ -221,7 +247,7 @@ def test_bad_settings_give_a_one_line_error(override, message):
     ],
 )
 def test_configuration_errors_of_the_main_job_are_one_line_before_any_engine_starts(
-    override, message, tmp_path
+    override, message, tmp_path, capfd
 ):
     """The vLLM main job with one bad value: one line naming it, no traceback, no engine."""
     config = ROOT / "configs" / "tiny_cpu.yaml"
@@ -235,8 +261,8 @@ def test_configuration_errors_of_the_main_job_are_one_line_before_any_engine_sta
             f"--trainer.default_root_dir={tmp_path}",
             "opd: weight must be finite and >= 0, got -0.5",
         )
-    out = run_cli(
-        "fit", "--config", str(config), override, f"--trainer.default_root_dir={tmp_path}"
+    out = run_main(
+        capfd, "fit", "--config", str(config), override, f"--trainer.default_root_dir={tmp_path}"
     )
     assert out.returncode != 0
     lines = [line for line in out.stderr.splitlines() if line.startswith("composer_lightning:")]
@@ -245,7 +271,7 @@ def test_configuration_errors_of_the_main_job_are_one_line_before_any_engine_sta
     assert "Initializing a V1 LLM engine" not in out.stdout + out.stderr
 
 
-def test_duplicate_head_names_are_one_line(tmp_path):
+def test_duplicate_head_names_are_one_line(tmp_path, capfd):
     cfg = (ROOT / "configs" / "synthetic_demo.yaml").read_text()
     bad = tmp_path / "dupes.yaml"
     bad.write_text(
@@ -255,7 +281,7 @@ def test_duplicate_head_names_are_one_line(tmp_path):
             1,
         )
     )
-    out = run_cli("fit", "--config", str(bad))
+    out = run_main(capfd, "fit", "--config", str(bad))
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "invalid configuration: duplicate head names ['same']" in out.stderr, out.stderr[-2000:]
 
@@ -372,7 +398,7 @@ def test_a_resume_takes_the_command_lines_settings_and_says_each_difference_in_o
     ],
 )
 def test_a_nested_option_written_in_yaml_can_be_overridden_on_the_command_line(
-    config, overrides, expected, tmp_path
+    config, overrides, expected, tmp_path, capfd
 ):
     score = tmp_path / "score.yaml"
     score.write_text(
@@ -395,7 +421,7 @@ def test_a_nested_option_written_in_yaml_can_be_overridden_on_the_command_line(
     layers = ["--config", str(ROOT / config)]
     if "lora" not in config:
         layers += ["--config", str(score)]
-    out = run_cli("fit", *layers, *overrides, "--print_config")
+    out = run_main(capfd, "fit", *layers, *overrides, "--print_config")
     assert out.returncode == 0, out.stderr[-3000:]
     printed = yaml.safe_load(out.stdout)
     if "lora" in config:

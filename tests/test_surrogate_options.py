@@ -22,7 +22,7 @@ from composer_lightning.protocols.step import StepContext
 from composer_lightning.training.objective import Objective
 from composer_lightning.training.surrogate import entropy_tokens
 from tests.functional.test_surrogates import make_inputs, trl_loss
-from tests.test_cli import ROOT, run_cli
+from tests.test_cli import ROOT, run_cli, run_main
 
 
 def _batch(mask, engine_logprobs=None, rewards=(1.0, 0.0, 0.5, 0.0)) -> RolloutBatch:
@@ -194,8 +194,9 @@ def test_every_head_trains_under_the_options(options, tmp_path):
     assert ("ppo/is_off_policy_kept" in text) == ("off_policy" in options)
 
 
-def test_gspo_beside_opd_is_one_line_from_the_command_line():
-    out = run_cli(
+def test_gspo_beside_opd_is_one_line_from_the_command_line(capfd):
+    out = run_main(
+        capfd,
         "fit",
         "--config",
         str(ROOT / "configs" / "synthetic_demo.yaml"),

@@ -23,7 +23,7 @@ from composer_lightning.models.hub import resolve_model  # noqa: E402
 from composer_lightning.models.loading import absolute_spec, load_policy  # noqa: E402
 from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
 from tests.models._gguf_writer import write_llama_gguf  # noqa: E402
-from tests.test_cli import run_cli  # noqa: E402
+from tests.test_cli import run_cli, run_main  # noqa: E402
 
 CHAT = [{"role": "user", "content": "What is 12 + 7?"}, {"role": "assistant", "content": "19"}]
 
@@ -157,10 +157,10 @@ def test_fit_trains_a_gguf_policy_with_vllm_in_sync(files, tmp_path, cache):
     assert "step 2/2" in out.stdout + out.stderr
 
 
-def test_a_bad_gguf_policy_on_the_command_line_is_one_line(tmp_path):
+def test_a_bad_gguf_policy_on_the_command_line_is_one_line(tmp_path, capfd):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00")
-    out = run_cli("fit", "--config", "configs/tiny_cpu.yaml", f"--model.policy={bad}")
+    out = run_main(capfd, "fit", "--config", "configs/tiny_cpu.yaml", f"--model.policy={bad}")
     assert out.returncode != 0
     lines = [line for line in out.stderr.splitlines() if str(bad) in line]
     assert lines and "cannot read" in lines[0], out.stderr[-2000:]
