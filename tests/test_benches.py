@@ -105,14 +105,14 @@ SMOKES = {
         ),
         writes=("hint_signal.json",),
     ),
-    # one timed step per configuration: an instant and a 50 ms tool, calls in turn, 2 at once,
-    # and episodes generated one batch ahead
+    # one timed step per configuration: an instant and a 50 ms tool, calls in turn, and 2 at
+    # once with episodes generated one batch ahead (the run that reaches both options)
     "episodes": Smoke(
         "episodes.py",
-        "--delays 0 0.05 --runs 1:0 2:0 2:1 --steps 1",
+        "--delays 0 0.05 --runs 1:0 2:1 --steps 1",
         tuple(
             rf"^\| {w} \| {k} \| {d} \| {POS} \| \d+ \| {POS} \| {NUM}x \|$"
-            for w, k in ((1, 0), (2, 0), (2, 1))
+            for w, k in ((1, 0), (2, 1))
             for d in ("0", "0.05")
         ),
     ),
@@ -156,42 +156,44 @@ SMOKES = {
     # the tiny policy, every kind of run once (on policy, overlapped, generation and training
     # alone; TRL when importable, else the line saying its rows were left out), 5 steps: the
     # first measured after the 3 warm-up steps
-    # two head sets of the tiny policy for 3 steps (1 timed): every part of the step timed
+    # every head of the tiny policy for 3 steps (1 timed): every part of the step timed (the
+    # "vs dr_grpo" column needs the dr_grpo set, a second run of the same code: "—" without it)
     "step_cost": Smoke(
         "step_cost.py",
-        "--model tiny --task arithmetic --sets dr_grpo all --steps 3 --max-tokens 8 --threads 1",
-        tuple(
-            rf"^\| {s} \| {POS} \| {NUM}x \|( {NUM} \|){{9}} {POS} \|$" for s in ("dr_grpo", "all")
-        ),
+        "--model tiny --task arithmetic --sets all --steps 3 --max-tokens 8 --threads 1",
+        (rf"^\| all \| {POS} \| — \|( {NUM} \|){{9}} {POS} \|$",),
         vllm=True,
     ),
+    # the on-policy run and the bounds (generation alone, training alone), full fine-tune;
+    # the overlapped run (k = 1) is in the LoRA smoke below: one process less, same code
     "throughput": Smoke(
         "throughput.py",
-        "--rounds 1 --steps 5 --models tiny --runs k=0@1 k=1 gen train trl@1",
+        "--rounds 1 --steps 5 --models tiny --runs k=0@1 gen train trl@1",
         (
             # the table: s/step (3 decimals) and generated tok/s of every run
             *(
                 rf"^\| tiny \| {r} \| [^|]+ \| \d+\.\d{{3}} \|( [^|]+ \|){{3}} \d+ \|"
-                for r in ("k=0@1", "k=1", "gen", "train")
+                for r in ("k=0@1", "gen", "train")
             ),
             # the split of the trainer's step: every timed part was called (generate, score,
-            # update on policy; score, canary, update overlapped)
+            # update on policy)
             rf"^\| tiny \| k=0@1 \| \d+ \| {POS} \| {NUM} \| {POS} \| {NUM} \| {POS} \|",
-            rf"^\| tiny \| k=1 \| \d+ \| {NUM} \| {NUM} \| {POS} \| {POS} \| {POS} \|",
             r"^(\| tiny \| trl@1 \||TRL is not importable by )",
             r"full fine-tune, 5 steps per run",
             r"^\| tiny \| k=0@1 \| .* \| 0\.71M \|$",  # every parameter trained
         ),
         vllm=True,
     ),
-    # LoRA on both sides: this library's row trains the adapters only (the tiny policy's full
-    # fine-tune trains 0.71M parameters; rank 4 on its projections, 0.02M)
+    # LoRA on both sides: this library's rows train the adapters only (the tiny policy's full
+    # fine-tune trains 0.71M parameters; rank 4 on its projections, 0.02M); overlapped (k = 1)
     "throughput_lora": Smoke(
         "throughput.py",
-        "--rounds 1 --steps 5 --models tiny --runs k=0@1 trl@1 --lora 4",
+        "--rounds 1 --steps 5 --models tiny --runs k=1 trl@1 --lora 4",
         (
             r"LoRA r 4 on both sides",
-            r"^\| tiny \| k=0@1 \| [^|]+ \| \d+\.\d{3} \|.* \| 0\.0[1-9]M \|$",
+            r"^\| tiny \| k=1 \| [^|]+ \| \d+\.\d{3} \|.* \| 0\.0[1-9]M \|$",
+            # the split of the overlapped step: score, canary and update were timed
+            rf"^\| tiny \| k=1 \| \d+ \| {NUM} \| {NUM} \| {POS} \| {POS} \| {POS} \|",
             r"^(\| tiny \| trl@1 \|.* \| 0\.0[1-9]M \|$|TRL is not importable by )",
         ),
         vllm=True,
