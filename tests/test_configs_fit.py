@@ -1,6 +1,6 @@
-"""Every CPU config trains one `fast_dev_run` step through the real CLI (each in its own
-process, so vLLM's in-process engine never touches the test process), and the main job keeps
-the engine in sync over several steps."""
+"""Every CPU config trains through the real CLI (each in its own process, so vLLM's in-process
+engine never touches the test process): one `fast_dev_run` step, or several steps in the test
+`TRAINED_ELSEWHERE` names; and the main job keeps the engine in sync over several steps."""
 
 from __future__ import annotations
 
@@ -13,11 +13,31 @@ import yaml
 
 from tests.test_cli import ROOT, run_cli
 
+#: CPU configs that a test trains for several steps through the CLI (file, test): a
+#: `fast_dev_run` step of them as well would pay a process's start-up again for nothing.
+TRAINED_ELSEWHERE = {
+    "tiny_cpu.yaml": ("tests/test_configs_fit.py", "test_main_job_with_vllm_stays_in_sync"),
+    "tiny_cpu_lora.yaml": ("tests/test_configs_fit.py", "test_lora_job_with_vllm_keeps"),
+    "tiny_cpu_hf.yaml": ("tests/test_configs_fit.py", "test_cli_run_resumes_from_its_last"),
+    "synthetic_demo.yaml": ("tests/test_cli.py", "test_synthetic_demo_config_trains"),
+}
 CPU_CONFIGS = sorted(
     p
     for p in glob.glob(str(ROOT / "configs" / "*.yaml"))
     if not any(skip in Path(p).name for skip in ("gpu", "fsdp2", "serve", "smollm2"))
+    and Path(p).name not in TRAINED_ELSEWHERE
 )  # fsdp2: below; serve: tests/serve (it serves until stopped); smollm2: one small step below
+
+
+def test_every_config_trained_elsewhere_is_trained_there():
+    """Each config left out of the `fast_dev_run` runs is named, as a path under configs/, in
+    the body of the test that trains it, and that test exists."""
+    for config, (file, test) in TRAINED_ELSEWHERE.items():
+        assert (ROOT / "configs" / config).is_file(), config
+        source = (ROOT / file).read_text()
+        start = source.index(f"def {test}")  # ValueError: the test is gone or renamed
+        body = source[start : source.find("\ndef ", start + 1)]
+        assert f'"configs" / "{config}"' in body, (config, file, test)
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: Path(p).name)
