@@ -168,7 +168,9 @@ def test_without_a_fingerprint_the_gap_stops_a_lost_push_in_fp32(k, caught_at):
     assert "max_logprob_gap=0.001" in str(err.value)  # the fp32 default
 
 
-@pytest.mark.parametrize("k", [0, 1])
+# k = 1: every batch one version stale, re-scored at the update (the larger gaps); on-policy
+# runs (k = 0) check the same canary at every step of the suite's other fits
+@pytest.mark.parametrize("k", [1])
 def test_no_false_stop_over_200_healthy_steps(k):
     module, rows, _ = _fit(HFEngine(seed=0), k=k, steps=200)
     assert module.policy_version == 200

@@ -54,8 +54,8 @@ def _equal_buffers(a: list[dict], b: list[dict]) -> bool:
 
 
 # k = 1 with single-turn batches ahead is the episodes case's path with a batch in place of
-# episodes (the callback's ahead state): on one rank, tests/test_overlap_resume.py resumes it
-# exactly after SIGTERM (k = 1, 2) and kill -9 (k = 2); a third two-rank run of three
+# episodes (the callback's ahead state): on one rank, tests/test_overlap_resume.py resumes
+# batches ahead exactly after SIGTERM and kill -9 (k = 2); a third two-rank run of three
 # processes each would cost the suite ~1 min for that difference.
 @pytest.mark.parametrize(("k", "episodes"), [(0, False), (1, True)], ids=["k0", "k1-episodes"])
 def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, episodes, tmp_path):
