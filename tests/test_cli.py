@@ -55,16 +55,24 @@ def run_main(capfd, *args: str) -> subprocess.CompletedProcess:
 
     capfd.readouterr()  # what the test printed before is not the run's
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with mock.patch.dict(os.environ, env), contextlib.chdir(ROOT):
-        try:
-            status = main(list(args))
-        except SystemExit as exc:  # as the interpreter ends: a message is printed, status 1
-            status = exc.code
-            if not isinstance(status, int | None):
-                print(status, file=sys.stderr)
-                status = 1
+    # the arguments go to main(); pytest's own are not the run's (LightningCLI warns on both)
+    with mock.patch.dict(os.environ, env), mock.patch.object(sys, "argv", sys.argv[:1]):
+        with contextlib.chdir(ROOT):
+            status = _main_status(main, list(args))
     out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(["composer_lightning", *args], int(status or 0), out, err)
+    return subprocess.CompletedProcess(["composer_lightning", *args], status, out, err)
+
+
+def _main_status(main, args: list[str]) -> int:
+    """`main(args)`'s exit status as the interpreter gives it: a `SystemExit` message is
+    printed to stderr with status 1."""
+    try:
+        return int(main(args) or 0)
+    except SystemExit as exc:
+        if isinstance(exc.code, int | None):
+            return int(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        return 1
 
 
 def test_heads_lists_every_builtin():
