@@ -447,3 +447,15 @@ def test_the_top_level_help_lists_every_command():
     commands = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
     for command in ("fit", "validate", "serve", "export", "heads"):
         assert command in commands, out.stdout
+
+
+def test_a_mistyped_command_lists_every_command_the_cli_runs(capfd):
+    """The CLI builds the parser of the command it runs only; a command it does not know gets
+    all of them, so the error names each choice."""
+    out = run_main(capfd, "fitt", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'predict')" in out.stderr
+    test = run_main(
+        capfd, "test", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml"), "--print_config"
+    )
+    assert test.returncode == 0 and "seed_everything: 0" in test.stdout, test.stderr[-2000:]
