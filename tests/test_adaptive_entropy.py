@@ -15,8 +15,7 @@ from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.training.entropy import AdaptiveEntropy, EntropyControl
 from composer_lightning.training.module import ComposerModule
-from tests.helpers import quiet_trainer, tiny_model
-from tests.test_cli import ROOT, run_cli
+from tests.helpers import ROOT, quiet_trainer, run_cli, tiny_model
 
 
 def trl_controller(entropies, coef, target, delta, coef_min, coef_max):

@@ -22,8 +22,7 @@ from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.runtime.checkpoint_io import AtomicCheckpointIO
 from composer_lightning.runtime.errors import CheckpointWriteError
 from composer_lightning.training.module import ComposerModule
-from tests.helpers import FillDiskAt, tiny_model
-from tests.test_cli import ROOT, run_cli, run_main
+from tests.helpers import ROOT, FillDiskAt, run_cli, run_main, tiny_model
 
 CONFIG = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
 

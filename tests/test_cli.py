@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -19,60 +16,9 @@ from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.training.module import ComposerModule
-from tests.helpers import tiny_model
+from tests.helpers import ROOT, run_cli, run_main, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
 BUILTINS = ["dr_grpo", "kl", "opd", "replay_dpo", "sdpo"]
-
-
-def run_cli(
-    *args: str, pythonpath: str | None = None, cwd: Path = ROOT, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    # nothing is downloaded
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "composer_lightning", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def run_main(capfd, *args: str) -> subprocess.CompletedProcess:
-    """`python -m composer_lightning ARGS` run inside the test process, with its exit status
-    and its output as `run_cli` returns them: for a run that ends at its configuration (a
-    one-line error, `--print_config`) before any model is trained or engine started. It saves
-    a new interpreter's imports (≈ 7 s) per case; a run that trains or starts vLLM (which
-    changes the process it runs in) takes `run_cli`. The environment and working directory are
-    `run_cli`'s, and put back afterwards."""
-    from unittest import mock
-
-    from composer_lightning.cli import main
-
-    capfd.readouterr()  # what the test printed before is not the run's
-    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    # the arguments go to main(); pytest's own are not the run's (LightningCLI warns on both)
-    with mock.patch.dict(os.environ, env), mock.patch.object(sys, "argv", sys.argv[:1]):
-        with contextlib.chdir(ROOT):
-            status = _main_status(main, list(args))
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(["composer_lightning", *args], status, out, err)
-
-
-def _main_status(main, args: list[str]) -> int:
-    """`main(args)`'s exit status as the interpreter gives it: a `SystemExit` message is
-    printed to stderr with status 1."""
-    try:
-        return int(main(args) or 0)
-    except SystemExit as exc:
-        if isinstance(exc.code, int | None):
-            return int(exc.code or 0)
-        print(exc.code, file=sys.stderr)
-        return 1
 
 
 def test_heads_lists_every_builtin():

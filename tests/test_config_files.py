@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 
 def base_of(overlay: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_cli import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 
 #: CPU configs that a test trains for several steps through the CLI (file, test): a
 #: `fast_dev_run` step of them as well would pay a process's start-up again for nothing.

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from composer_lightning.models.tiny import tiny_tool_policy_path
-from tests.test_cli import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 
 EXAMPLE = ROOT / "examples" / "custom_env"
 

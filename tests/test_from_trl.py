@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 PAGE = ROOT / "docs" / "from_trl.md"
 ROW = re.compile(r"^\| `(?P<field>\w+)` \| (?P<here>[^|]+) \|", re.MULTILINE)
@@ -127,7 +127,7 @@ def test_a_trl_config_converts_and_validates(tmp_path):
     import json
 
     from composer_lightning.models.tiny import tiny_policy_path
-    from tests.test_cli import run_cli
+    from tests.helpers import run_cli
 
     data = tmp_path / "prompts.jsonl"
     data.write_text(
@@ -207,7 +207,7 @@ def test_cispo_and_sapo_convert_to_their_loss_modes(tmp_path, loss_type, extra, 
     ],
 )  # fmt: skip
 def test_bad_trl_configs_are_one_line_naming_the_field(tmp_path, fields, message):
-    from tests.test_cli import run_cli
+    from tests.helpers import run_cli
 
     trl = tmp_path / "grpo.yaml"
     trl.write_text(fields)

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 
 def test_gpu_check_smoke_on_cpu():

@@ -18,7 +18,7 @@ import pytest
 
 import composer_lightning
 from composer_lightning.runtime.moved import MOVED_MODULES, MOVED_NAMES
-from tests.test_cli import run_cli
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "composer_lightning"

@@ -121,7 +121,7 @@ def test_a_logger_saving_in_the_working_directory_by_default_saves_in_the_run():
 def test_a_wandb_run_from_the_command_line_keeps_everything_in_its_directory(tmp_path):
     """`--trainer.logger=WandbLogger` (save_dir "." by default): W&B's files, the checkpoints,
     rollouts.jsonl and curves.png all under the run's root, nothing in the working directory."""
-    from tests.test_cli import ROOT, run_cli
+    from tests.helpers import ROOT, run_cli
 
     project = "composer_lightning_test_project"
     before = set(os.listdir(ROOT))

@@ -33,8 +33,12 @@ from composer_lightning.runtime.errors import ConfigError  # noqa: E402
 from composer_lightning.tasks import VerifierHint  # noqa: E402
 from composer_lightning.training.forward import score_tokens  # noqa: E402
 from composer_lightning.training.module import ComposerModule  # noqa: E402
-from tests.helpers import one_sample_batch, quiet_trainer, tiny_model  # noqa: E402
-from tests.test_cli import ROOT  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    ROOT,  # noqa: E402
+    one_sample_batch,
+    quiet_trainer,
+    tiny_model,
+)
 
 POLICY = tiny_policy_path()
 

@@ -22,7 +22,7 @@ from openenv.core.llm_client import ToolCall as OEToolCall  # noqa: E402
 
 from composer_lightning.models.tiny import tiny_tool_policy_path  # noqa: E402
 from composer_lightning.tasks import get_task  # noqa: E402
-from tests.test_cli import ROOT  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
 from tests.test_custom_env import train_example_elsewhere  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "openenv_lookup"

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 STEPS = 8
 _WHOLE: dict[tuple[int, bool], dict] = {}  # (k, episodes) → the uninterrupted run's last checkpoint

@@ -248,7 +248,7 @@ def test_trace_batches_are_sharded_by_data_parallel_rank():
     from types import SimpleNamespace
 
     from composer_lightning.datamodules.traces import TraceDataModule
-    from tests.test_cli import ROOT
+    from tests.helpers import ROOT
 
     seen = []
     for rank in (0, 1):

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_cli import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 
 CONFIG = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
 STEPS = 8

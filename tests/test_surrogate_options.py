@@ -22,7 +22,7 @@ from composer_lightning.protocols.step import StepContext
 from composer_lightning.training.objective import Objective
 from composer_lightning.training.surrogate import entropy_tokens
 from tests.functional.test_surrogates import make_inputs, trl_loss
-from tests.test_cli import ROOT, run_cli, run_main
+from tests.helpers import ROOT, run_cli, run_main
 
 
 def _batch(mask, engine_logprobs=None, rewards=(1.0, 0.0, 0.5, 0.0)) -> RolloutBatch:

@@ -10,8 +10,7 @@ import os
 import yaml
 
 from tests.datamodules.test_prompts import gsm8k_parquet
-from tests.helpers import base_model_dir
-from tests.test_cli import run_cli
+from tests.helpers import base_model_dir, run_cli
 
 REWARDS = """
 import json, os

@@ -10,7 +10,7 @@ import torch
 from composer_lightning.datamodules.traces import TraceDataModule
 from composer_lightning.functional.align import teacher_alignment
 from composer_lightning.models.tiny import tiny_policy_path
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 POLICY = tiny_policy_path()
 TRACES = str(ROOT / "examples" / "traces" / "tool_traces.jsonl")

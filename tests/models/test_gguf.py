@@ -22,8 +22,8 @@ from composer_lightning.models.gguf import gguf_path, resolve_gguf  # noqa: E402
 from composer_lightning.models.hub import resolve_model  # noqa: E402
 from composer_lightning.models.loading import absolute_spec, load_policy  # noqa: E402
 from composer_lightning.models.tiny import tiny_policy_path  # noqa: E402
+from tests.helpers import run_cli, run_main  # noqa: E402
 from tests.models._gguf_writer import write_llama_gguf  # noqa: E402
-from tests.test_cli import run_cli, run_main  # noqa: E402
 
 CHAT = [{"role": "user", "content": "What is 12 + 7?"}, {"role": "assistant", "content": "19"}]
 

@@ -14,8 +14,8 @@ from composer_lightning.functional.gradients import (
     hidden_gradients,
 )
 from composer_lightning.training.mixer import grad_norm_scales
+from tests.helpers import ROOT
 from tests.scale._grad_share import batch, module
-from tests.test_cli import ROOT
 
 
 def test_two_ranks_measure_the_mean_objective_and_agree_on_the_scales(tmp_path):

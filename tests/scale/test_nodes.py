@@ -17,8 +17,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import end_session
-from tests.test_cli import ROOT
+from tests.helpers import ROOT, end_session
 
 STEPS, SIGNAL_AT = 5, 2  # the signal arrives as step 3 starts: both nodes stop after it
 TAGS = ("train/loss", "rollout/reward_mean", "rollout/response_length_mean")

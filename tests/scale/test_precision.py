@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")

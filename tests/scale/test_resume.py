@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.helpers import end_session
-from tests.test_cli import ROOT
+from tests.helpers import ROOT, end_session
 
 SCRIPT = str(ROOT / "tests" / "scale" / "_resume.py")
 

@@ -14,9 +14,8 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import end_session
+from tests.helpers import ROOT, end_session
 from tests.test_atomic_checkpoints import mounts  # noqa: F401 - a fixture
-from tests.test_cli import ROOT
 
 SCRIPT = str(ROOT / "tests" / "scale" / "_stop.py")
 STEPS, SIGNAL_IN = 5, 3  # as in _stop.py

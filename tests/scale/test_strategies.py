@@ -14,7 +14,7 @@ from composer_lightning.engines import iter_hf_weights
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.models.loading import load_causal_lm
 from composer_lightning.models.tiny import tiny_policy_path
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 
 def _run(kind: str, out, timeout: int) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from composer_lightning.tasks.feedback import FeedbackHint, FeedbackScore
-from tests.test_cli import ROOT
+from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "examples" / "talk_to_train"))
 import talk  # noqa: E402
