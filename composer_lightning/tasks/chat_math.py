@@ -11,6 +11,9 @@ allowed) — and hint as `arithmetic` does (digit count and one digit of the ans
   there (a strict verifier, as math RL's often are): sparse for SmolLM2-135M-Instruct, which
   adds two-digit numbers (greedy 0.27 on the final number) but boxes 3 % of its replies (0.2 %
   boxed and right, sampled; docs/benchmarks.md).
+- `chat_tagged`: the same with the answer asked for between `<answer>` and `</answer>`:
+  sparser still, SmolLM2-135M-Instruct writes the tags in 0 of 512 sampled replies (its final
+  number is right in 19 %): a reward RL alone never sees.
 - `chat_sums`: `a + b + c` (`terms` two-digit numbers): a sparse task for SmolLM2-135M-Instruct
   (greedy 0.016, sampled 0.006 at three terms; docs/benchmarks.md).
 - `word_problems`: two-step word problems, "Tom has 29 apples. He buys 13 more and gives away
@@ -31,7 +34,12 @@ _BOXED = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
 
 def boxed_integer(text: str) -> int | None:
     """The integer in the reply's last `\\boxed{...}` that holds one, else None."""
-    for candidate in reversed(_BOXED.findall(text)):
+    return _last_integer_in(_BOXED, text)
+
+
+def _last_integer_in(form: re.Pattern[str], text: str) -> int | None:
+    """The last integer of the reply's last match of `form` (its group) that holds one."""
+    for candidate in reversed(form.findall(text)):
         numbers = _NUMBER.findall(candidate)
         if numbers:
             return int(numbers[-1].replace(",", ""))
@@ -68,43 +76,80 @@ class ChatArithmetic(_FinalAnswer, Arithmetic):
         super().__init__(min_value=min_value, max_value=max_value, **kwargs)
 
 
-class ChatBoxed(ChatArithmetic):
-    """`chat_arithmetic` with the answer asked for in `\\boxed{}` and read only from there: a
-    reply without a boxed number scores 0 (its hint says where the answer goes), a wrong boxed
-    number is hinted as `chat_arithmetic` hints.
+class _StrictForm(ChatArithmetic):
+    """`chat_arithmetic` with the answer asked for in a set form and read only from there (a
+    strict verifier, as math RL's often are): a reply without the form scores 0 and its hint
+    says where the answer goes; a wrong number in the form is hinted as `chat_arithmetic`
+    hints. A subclass names the form: `form` (a regex whose one group is the answer),
+    `marker` (what the template must contain) and `unformatted` (the hint of a reply without
+    the form)."""
+
+    form: re.Pattern[str]
+    marker: str
+    unformatted: str
+
+    def __init__(self, template: str, **kwargs) -> None:
+        if self.marker not in template:
+            raise ValueError(
+                f"{self.name}: the template must ask for the answer in {self.marker} (only an "
+                f"answer there is read), got {template!r}"
+            )
+        super().__init__(template=template, **kwargs)
+
+    def guess(self, completion: str) -> int | None:
+        """The integer in the reply's last answer in the form that holds one, else None."""
+        return _last_integer_in(self.form, completion)
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        if self.guess(completion) is None:
+            return Verdict(0.0, self.unformatted)
+        return super().verify(problem, completion)
+
+    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
+        if self.guess(completion) is None:
+            return [self.unformatted][:n]
+        return super().hint_candidates(problem, completion, n)
+
+
+class ChatBoxed(_StrictForm):
+    """`chat_arithmetic` with the answer asked for in `\\boxed{}` and read only from there.
 
     Args: see `ChatArithmetic`; `template` must ask for the box.
     """
 
     name = "chat_boxed"
+    form = _BOXED
+    marker = "\\boxed"
+    unformatted = "Work it out, then end the reply with the answer in \\boxed{}."
 
     def __init__(
         self,
         template: str = "What is {a} {op} {b}? Put your final answer within \\boxed{{}}.",
         **kwargs,
     ) -> None:
-        if "\\boxed" not in template:
-            raise ValueError(
-                f"chat_boxed: the template must ask for the answer in \\boxed{{}} (only a boxed "
-                f"answer is read), got {template!r}"
-            )
         super().__init__(template=template, **kwargs)
 
-    def guess(self, completion: str) -> int | None:
-        return boxed_integer(completion)
 
-    def verify(self, problem: Problem, completion: str) -> Verdict:
-        if self.guess(completion) is None:
-            return Verdict(0.0, _UNBOXED)
-        return super().verify(problem, completion)
+class ChatTagged(_StrictForm):
+    """`chat_arithmetic` with the answer asked for between `<answer>` and `</answer>` (the tags
+    of R1-style format rewards) and read only from there.
 
-    def hint_candidates(self, problem: Problem, completion: str, n: int) -> list[str]:
-        if self.guess(completion) is None:
-            return [_UNBOXED][:n]
-        return super().hint_candidates(problem, completion, n)
+    Args: see `ChatArithmetic`; `template` must ask for the tags.
+    """
 
+    name = "chat_tagged"
+    form = re.compile(r"<answer>\s*([^<>]*?)\s*</answer>")
+    marker = "<answer>"
+    unformatted = "Work it out, then end the reply with the answer between <answer> and </answer>."
 
-_UNBOXED = "Work it out, then end the reply with the answer in \\boxed{}."
+    def __init__(
+        self,
+        template: str = (
+            "What is {a} {op} {b}? Give the final answer between <answer> and </answer>."
+        ),
+        **kwargs,
+    ) -> None:
+        super().__init__(template=template, **kwargs)
 
 
 class ChatSums(_FinalAnswer):

@@ -9,6 +9,7 @@ from composer_lightning.tasks.chat_math import (
     ChatArithmetic,
     ChatBoxed,
     ChatSums,
+    ChatTagged,
     WordProblems,
     boxed_integer,
     final_integer,
@@ -98,6 +99,28 @@ def test_chat_boxed_reads_the_answer_only_from_the_box():
     assert boxed_integer("\\boxed{x} then 7") is None
 
 
+def test_chat_tagged_reads_the_answer_only_between_the_tags():
+    task = ChatTagged()
+    problem = task.make(17, "+", 25)
+    assert problem["messages"][0]["content"] == (
+        "What is 17 + 25? Give the final answer between <answer> and </answer>."
+    )
+    assert task.verify(problem, "17 + 25 = 42, so <answer>42</answer>").reward == 1.0
+    assert task.verify(problem, "<answer> 1,042 </answer>").hint is not None  # read: 1042
+    assert task.verify(problem, "<answer>40</answer>? No: <answer>42</answer>").reward == 1.0
+    untagged = task.verify(problem, "17 + 25 = 42.")  # right, but not where it was asked for
+    assert (untagged.reward, untagged.hint) == (
+        0.0,
+        "Work it out, then end the reply with the answer between <answer> and </answer>.",
+    )
+    assert task.verify(problem, "<answer>42").reward == 0.0  # an unclosed tag holds nothing
+    assert task.verify(problem, "\\boxed{42}").reward == 0.0  # another form is not this one
+    wrong = task.verify(problem, "<answer>32</answer>")
+    assert (wrong.reward, wrong.hint) == (0.0, "The answer has 2 digits; the first digit is 4.")
+    assert task.hint_candidates(problem, "17 + 25 = 42.", 2) == [untagged.hint]
+    assert task.guess("<answer>x</answer> then 7") is None
+
+
 def test_chat_sums_answer_the_sum_of_every_term():
     task = ChatSums()
     problem = task.make([13, 27, 15])
@@ -115,16 +138,19 @@ def test_chat_sums_answer_the_sum_of_every_term():
 
 
 def test_every_chat_task_is_found_by_name_and_verifies_any_of_its_problems():
-    named = (
-        ("chat_arithmetic", ChatArithmetic),
-        ("chat_sums", ChatSums),
-        ("word_problems", WordProblems),
+    named = (  # each with a right reply in the form it reads
+        ("chat_arithmetic", ChatArithmetic, "{}"),
+        ("chat_boxed", ChatBoxed, "\\boxed{{{}}}"),
+        ("chat_tagged", ChatTagged, "<answer>{}</answer>"),
+        ("chat_sums", ChatSums, "{}"),
+        ("word_problems", WordProblems, "{}"),
     )
-    for name, cls in named:
+    for name, cls, reply in named:
         task = get_task(name)
         assert isinstance(task, cls)
         problem = task.samples(1, seed=0)[0]
-        assert get_task(problem["task"]).verify(problem, problem["answer"]).reward == 1.0
+        verdict = get_task(problem["task"]).verify(problem, reply.format(problem["answer"]))
+        assert verdict.reward == 1.0
 
 
 def test_bad_ranges_are_refused_naming_the_value():
@@ -132,6 +158,8 @@ def test_bad_ranges_are_refused_naming_the_value():
         WordProblems(given=(5, 1))
     with pytest.raises(ValueError, match=r"chat_boxed: the template must ask .* got 'What is"):
         ChatBoxed(template="What is {a} {op} {b}?")
+    with pytest.raises(ValueError, match=r"chat_tagged: the template must ask for the answer in"):
+        ChatTagged(template="What is {a} {op} {b}? Box it: \\boxed{{}}.")
     with pytest.raises(ValueError, match=r"chat_sums: terms must be an integer >= 2, got 1"):
         ChatSums(terms=1)
     with pytest.raises(ValueError, match=r"chat_sums: need 0 <= min_value <= max_value, got 9, 1"):
