@@ -282,9 +282,10 @@ def test_resuming_with_other_heads_is_one_error_unless_allowed_then_one_warning(
         ),
     ],
 )
-def test_a_misspelt_or_mistyped_nested_key_is_one_short_line(override, message):
+def test_a_misspelt_or_mistyped_nested_key_is_one_short_line(override, message, monkeypatch):
     from composer_lightning.cli import main
 
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])  # pytest's arguments are not the run's
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml"), override])
     assert str(exit_.value) == f"composer_lightning: invalid configuration: {message}"
@@ -299,6 +300,7 @@ def test_a_resume_takes_the_command_lines_settings_and_says_each_difference_in_o
     from composer_lightning.cli import main
 
     monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])  # pytest's arguments are not the run's
     config = ["fit", "--config", str(ROOT / "configs" / "tiny_cpu_hf.yaml")]
     first, second = tmp_path / "first", tmp_path / "second"
     main([*config, "--trainer.max_steps=1", f"--trainer.default_root_dir={first}"])
