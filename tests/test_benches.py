@@ -105,6 +105,14 @@ SMOKES = {
         ),
         writes=("hint_signal.json",),
     ),
+    # the shipped tool policy stands in for an SFT'd SmolLM2: same code, two problems
+    "hinted_teacher": Smoke(
+        "hinted_teacher.py",
+        "--model composer_lightning/assets/tiny_tool_policy --problems 2 --max-tokens 8 "
+        "--threads 1 --out {tmp}/hinted_teacher.json",
+        tuple(rf"^\| {role} \| \d+ \| \d+ \| \d+ \|$" for role in ("student", "teacher")),
+        writes=("hinted_teacher.json",),
+    ),
     # one timed step per configuration: an instant and a 50 ms tool, calls in turn, and 2 at
     # once with episodes generated one batch ahead (the run that reaches both options)
     "episodes": Smoke(
