@@ -13,7 +13,11 @@ allowed) — and hint as `arithmetic` does (digit count and one digit of the ans
   boxed and right, sampled; docs/benchmarks.md).
 - `chat_tagged`: the same with the answer asked for between `<answer>` and `</answer>`:
   sparser still, SmolLM2-135M-Instruct writes the tags in 0 of 512 sampled replies (its final
-  number is right in 19 %): a reward RL alone never sees.
+  number is right in 19 %): a reward RL alone never sees, and told a worked reply in the
+  tags it still writes none (0 of 16 greedy), so no hint head can teach them either.
+- `chat_answer_line`: the same ending with `ANSWER: <number>`: SmolLM2 writes it in 0.4 % of
+  sampled replies and never right (0 of 512), but told a worked reply ending so, it writes it
+  in 7 of 16 greedy replies (6 right): sparse for RL, within a hint's reach.
 - `chat_sums`: `a + b + c` (`terms` two-digit numbers): a sparse task for SmolLM2-135M-Instruct
   (greedy 0.016, sampled 0.006 at three terms; docs/benchmarks.md).
 - `word_problems`: two-step word problems, "Tom has 29 apples. He buys 13 more and gives away
@@ -147,6 +151,26 @@ class ChatTagged(_StrictForm):
         template: str = (
             "What is {a} {op} {b}? Give the final answer between <answer> and </answer>."
         ),
+        **kwargs,
+    ) -> None:
+        super().__init__(template=template, **kwargs)
+
+
+class ChatAnswerLine(_StrictForm):
+    """`chat_arithmetic` with the answer asked for after `ANSWER:` at the reply's end and read
+    only from there (the last `ANSWER: <number>`; the marker is case-sensitive, as asked).
+
+    Args: see `ChatArithmetic`; `template` must ask for `ANSWER:`.
+    """
+
+    name = "chat_answer_line"
+    form = re.compile(r"ANSWER:[ \t]*([^\n]*)")
+    marker = "ANSWER:"
+    unformatted = "Work it out, then end the reply with 'ANSWER: <number>'."
+
+    def __init__(
+        self,
+        template: str = "What is {a} {op} {b}? End your reply with 'ANSWER: <number>'.",
         **kwargs,
     ) -> None:
         super().__init__(template=template, **kwargs)

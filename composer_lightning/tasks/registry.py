@@ -17,6 +17,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "chat_arithmetic": "composer_lightning.tasks.chat_math.ChatArithmetic",
     "chat_boxed": "composer_lightning.tasks.chat_math.ChatBoxed",
     "chat_tagged": "composer_lightning.tasks.chat_math.ChatTagged",
+    "chat_answer_line": "composer_lightning.tasks.chat_math.ChatAnswerLine",
     "chat_sums": "composer_lightning.tasks.chat_math.ChatSums",
     "word_problems": "composer_lightning.tasks.chat_math.WordProblems",
     "reverse": "composer_lightning.tasks.reverse.ReverseDigits",

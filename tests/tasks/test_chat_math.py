@@ -6,6 +6,7 @@ import pytest
 
 from composer_lightning.tasks import get_task
 from composer_lightning.tasks.chat_math import (
+    ChatAnswerLine,
     ChatArithmetic,
     ChatBoxed,
     ChatSums,
@@ -121,6 +122,26 @@ def test_chat_tagged_reads_the_answer_only_between_the_tags():
     assert task.guess("<answer>x</answer> then 7") is None
 
 
+def test_chat_answer_line_reads_the_answer_only_after_the_marker():
+    task = ChatAnswerLine()
+    problem = task.make(17, "+", 25)
+    assert problem["messages"][0]["content"] == (
+        "What is 17 + 25? End your reply with 'ANSWER: <number>'."
+    )
+    assert task.verify(problem, "17 + 25 = 42\nANSWER: 42").reward == 1.0
+    assert task.verify(problem, "ANSWER: 40\nNo: ANSWER: 42.").reward == 1.0  # the last one
+    unmarked = task.verify(problem, "17 + 25 = 42. The answer: 42")  # not the asked marker
+    assert (unmarked.reward, unmarked.hint) == (
+        0.0,
+        "Work it out, then end the reply with 'ANSWER: <number>'.",
+    )
+    assert task.verify(problem, "ANSWER:\n42").reward == 0.0  # the number on the marker's line
+    wrong = task.verify(problem, "ANSWER: 32")
+    assert (wrong.reward, wrong.hint) == (0.0, "The answer has 2 digits; the first digit is 4.")
+    with pytest.raises(ValueError, match=r"chat_answer_line: the template must ask .* in ANSWER:"):
+        ChatAnswerLine(template="What is {a} {op} {b}?")
+
+
 def test_chat_sums_answer_the_sum_of_every_term():
     task = ChatSums()
     problem = task.make([13, 27, 15])
@@ -142,6 +163,7 @@ def test_every_chat_task_is_found_by_name_and_verifies_any_of_its_problems():
         ("chat_arithmetic", ChatArithmetic, "{}"),
         ("chat_boxed", ChatBoxed, "\\boxed{{{}}}"),
         ("chat_tagged", ChatTagged, "<answer>{}</answer>"),
+        ("chat_answer_line", ChatAnswerLine, "ANSWER: {}"),
         ("chat_sums", ChatSums, "{}"),
         ("word_problems", WordProblems, "{}"),
     )
