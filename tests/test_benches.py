@@ -113,6 +113,17 @@ SMOKES = {
         tuple(rf"^\| {role} \| \d+ \| \d+ \| \d+ \|$" for role in ("student", "teacher")),
         writes=("hinted_teacher.json",),
     ),
+    "task_reach": Smoke(
+        "task_reach.py",
+        "--model composer_lightning/assets/tiny_policy --task arithmetic --hint "
+        "The_answer_is_{{answer}}. --prompts 2 --group 2 --max-tokens 4 --threads 1 "
+        "--out {tmp}/task_reach.json",
+        tuple(
+            rf"^\| {c} \| {NUM} \(\d+/2\) \| {NUM} \(\d+/4\) \| {NUM} \|$"
+            for c in ("student", "teacher")
+        ),
+        writes=("task_reach.json",),
+    ),
     # one timed step per configuration: an instant and a 50 ms tool, calls in turn, and 2 at
     # once with episodes generated one batch ahead (the run that reaches both options)
     "episodes": Smoke(
