@@ -16,8 +16,9 @@ allowed) — and hint as `arithmetic` does (digit count and one digit of the ans
   number is right in 19 %): a reward RL alone never sees, and told a worked reply in the
   tags it still writes none (0 of 16 greedy), so no hint head can teach them either.
 - `chat_answer_line`: the same ending with `ANSWER: <number>`: SmolLM2 writes it in 0.4 % of
-  sampled replies and never right (0 of 512), but told a worked reply ending so, it writes it
-  in 7 of 16 greedy replies (6 right): sparse for RL, within a hint's reach.
+  sampled replies and never right (0 of 512); told a worked reply ending so, it is right in 16
+  of 32 greedy replies. Yet Dr. GRPO alone learns it from its first two right replies (0.656
+  held-out at step 20) where SDPO with that hint does not (docs/benchmarks.md, "Sparser tasks").
 - `chat_sums`: `a + b + c` (`terms` two-digit numbers): a sparse task for SmolLM2-135M-Instruct
   (greedy 0.016, sampled 0.006 at three terms; docs/benchmarks.md).
 - `word_problems`: two-step word problems, "Tom has 29 apples. He buys 13 more and gives away
