@@ -30,16 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PLACEMENTS = ("user", "system", "inline")
-
-
-def hinted(messages: list[dict], hint: str, placement: str) -> list[dict]:
-    """The student's chat with the hint placed as `placement` says."""
-    if placement == "inline":
-        last = dict(messages[-1], content=f"{messages[-1]['content']}\n\n{hint}")
-        return [*messages[:-1], last]
-    return [*messages, {"role": placement, "content": hint}]
-
 
 def answer_span(tokenizer, reply_ids: list[int], answer: int | None) -> list[bool]:
     """Per reply token, whether it is part of the reply's final number (`final_integer`)."""
@@ -103,6 +93,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from composer_lightning.chat import render_ids
+    from composer_lightning.chat.hints import HINT_ROLES, with_hint
     from composer_lightning.models.hub import resolve_model
     from composer_lightning.tasks import get_task
     from composer_lightning.tasks.chat_math import final_integer
@@ -151,15 +142,16 @@ def main() -> int:
                 continue
             old = reply_logprobs(prompt, reply)
             mask = answer_span(tokenizer, reply, final_integer(text))
-            for placement in PLACEMENTS:
-                context = hinted(problem["messages"], verdict.hint, placement)
+            for placement in HINT_ROLES:
+                last = len(problem["messages"]) - 1  # the question: the hint there or after it
+                context = with_hint(problem["messages"], last, verdict.hint, placement)
                 teacher_prompt = render_ids(tokenizer, context, add_generation_prompt=True)
                 teacher = reply_logprobs(teacher_prompt, reply)
                 rows.append((placement, [t - o for t, o in zip(teacher, old, strict=True)], mask))
 
     figures = {
         placement: placement_figures([(adv, mask) for p, adv, mask in rows if p == placement])
-        for placement in PLACEMENTS
+        for placement in HINT_ROLES
     }
     head = (
         f"{args.model} on {args.task}: {args.prompts} prompts x {args.group} at T "
