@@ -1,7 +1,7 @@
 """Does the hinted teacher know the next step of a tool chain the student stops short of?
 
     python bench/hinted_teacher.py --model <SFT'd SmolLM2 export> [--problems 24] [--terms 3]
-        [--max-tokens 32] [--threads 2] [--seed 12345] [--out hinted_teacher.json]
+        [--max-tokens 64] [--threads 2] [--seed 12345] [--out hinted_teacher.json]
 
 No training. For `problems` fresh `tool_calc` problems of `terms` numbers, the episode is given
 its right first call (`add` on the first two numbers) and the tool's result; then the policy
@@ -9,16 +9,16 @@ replies greedily twice: as the student (that context) and as the hint heads' tea
 context with the partial-sum hint the task gives an answer that stops there, "1176 is the sum
 of the first 2 numbers only: add 20 to it.", as a user message after the tool's reply). The
 table counts, for each, the replies that call a tool, that make the right next call
-(`add(partial, next number)`) and that answer. A teacher that makes the right call where the
-student answers holds what OPD and SDPO are to teach; whether they carry it into the student
-is another matter (they score the student's own tokens: docs/benchmarks.md, "After SFT").
+(`add(partial, next number)`, complete, as the environment would run it) and that answer. A
+teacher that makes the right call where the student answers holds what OPD and SDPO are to
+teach; whether they carry it into the student is another matter (they score the student's own
+tokens: docs/benchmarks.md, "After SFT").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,9 +29,25 @@ if str(ROOT) not in sys.path:
 
 
 def right_call(reply: str, partial: int, following: int) -> bool:
-    """Whether `reply` calls `add` on the partial sum and the next number (either order)."""
-    pairs = re.findall(r'"a":\s*(-?\d+),\s*"b":\s*(-?\d+)', reply)
-    return any({int(a), int(b)} == {partial, following} for a, b in pairs)
+    """Whether `reply` holds a complete call of `add` on the partial sum and the next number
+    (either order), read by the parser the tool environment reads calls with."""
+    from composer_lightning.chat.tool_calls import find_tool_calls
+
+    for body in find_tool_calls(reply, "hermes")[1]:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or call.get("name") != "add":
+            continue
+        arguments = call.get("arguments")
+        if isinstance(arguments, dict) and sorted(arguments) == ["a", "b"]:
+            values = [arguments["a"], arguments["b"]]
+            if all(type(v) is int for v in values) and sorted(values) == sorted(
+                (partial, following)
+            ):
+                return True
+    return False
 
 
 def main() -> int:
@@ -39,7 +55,7 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="a model directory, hub id or .gguf file")
     ap.add_argument("--problems", type=int, default=24)
     ap.add_argument("--terms", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)  # the tool agent config's
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
