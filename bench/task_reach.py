@@ -1,4 +1,4 @@
-"""Is a task sparse for RL and within a hint's reach? The student and the hinted teacher side by side.
+"""Is a task sparse for RL and within a hint's reach? The student beside the hinted teacher.
 
     python bench/task_reach.py --task chat_answer_line \\
         --hint "A right reply: {a} {op} {b} = {answer}, so ANSWER: {answer}" [--hint-role inline]

@@ -86,14 +86,19 @@ class _StrictForm(ChatArithmetic):
     strict verifier, as math RL's often are): a reply without the form scores 0 and its hint
     says where the answer goes; a wrong number in the form is hinted as `chat_arithmetic`
     hints. A subclass names the form: `form` (a regex whose one group is the answer),
-    `marker` (what the template must contain) and `unformatted` (the hint of a reply without
-    the form)."""
+    `marker` (what the template must contain), `unformatted` (the hint of a reply without
+    the form) and `default_template` (the question asking for it).
+
+    Args: see `ChatArithmetic`; `template` (default `default_template`) must contain `marker`.
+    """
 
     form: re.Pattern[str]
     marker: str
     unformatted: str
+    default_template: str
 
-    def __init__(self, template: str, **kwargs) -> None:
+    def __init__(self, template: str | None = None, **kwargs) -> None:
+        template = self.default_template if template is None else template
         if self.marker not in template:
             raise ValueError(
                 f"{self.name}: the template must ask for the answer in {self.marker} (only an "
@@ -119,62 +124,42 @@ class _StrictForm(ChatArithmetic):
 class ChatBoxed(_StrictForm):
     """`chat_arithmetic` with the answer asked for in `\\boxed{}` and read only from there.
 
-    Args: see `ChatArithmetic`; `template` must ask for the box.
+    Args: see `_StrictForm`; `template` must ask for the box.
     """
 
     name = "chat_boxed"
     form = _BOXED
     marker = "\\boxed"
     unformatted = "Work it out, then end the reply with the answer in \\boxed{}."
-
-    def __init__(
-        self,
-        template: str = "What is {a} {op} {b}? Put your final answer within \\boxed{{}}.",
-        **kwargs,
-    ) -> None:
-        super().__init__(template=template, **kwargs)
+    default_template = "What is {a} {op} {b}? Put your final answer within \\boxed{{}}."
 
 
 class ChatTagged(_StrictForm):
     """`chat_arithmetic` with the answer asked for between `<answer>` and `</answer>` (the tags
     of R1-style format rewards) and read only from there.
 
-    Args: see `ChatArithmetic`; `template` must ask for the tags.
+    Args: see `_StrictForm`; `template` must ask for the tags.
     """
 
     name = "chat_tagged"
     form = re.compile(r"<answer>\s*([^<>]*?)\s*</answer>")
     marker = "<answer>"
     unformatted = "Work it out, then end the reply with the answer between <answer> and </answer>."
-
-    def __init__(
-        self,
-        template: str = (
-            "What is {a} {op} {b}? Give the final answer between <answer> and </answer>."
-        ),
-        **kwargs,
-    ) -> None:
-        super().__init__(template=template, **kwargs)
+    default_template = "What is {a} {op} {b}? Give the final answer between <answer> and </answer>."
 
 
 class ChatAnswerLine(_StrictForm):
     """`chat_arithmetic` with the answer asked for after `ANSWER:` at the reply's end and read
     only from there (the last `ANSWER: <number>`; the marker is case-sensitive, as asked).
 
-    Args: see `ChatArithmetic`; `template` must ask for `ANSWER:`.
+    Args: see `_StrictForm`; `template` must ask for `ANSWER:`.
     """
 
     name = "chat_answer_line"
     form = re.compile(r"ANSWER:[ \t]*([^\n]*)")
     marker = "ANSWER:"
     unformatted = "Work it out, then end the reply with 'ANSWER: <number>'."
-
-    def __init__(
-        self,
-        template: str = "What is {a} {op} {b}? End your reply with 'ANSWER: <number>'.",
-        **kwargs,
-    ) -> None:
-        super().__init__(template=template, **kwargs)
+    default_template = "What is {a} {op} {b}? End your reply with 'ANSWER: <number>'."
 
 
 class ChatSums(_FinalAnswer):
