@@ -32,8 +32,13 @@ REQUIREMENTS = frozenset(
         "ref_logprobs",
         "sequence_logprobs",
         "teacher_topk",
+        "hinted_replies",
     }
 )
+
+#: A head that reads replies sampled with the hint in context (`RolloutBatch.hinted`, context
+#: distillation): the rollout samples them only while such a head has a non-zero weight.
+HINTED_REPLIES = frozenset({"hinted_replies"})
 
 #: The requirements that read a hinted teacher: without a head that has a non-zero weight and
 #: one of these, no hint is asked for (a judge is not paid for nothing) and no teacher runs.

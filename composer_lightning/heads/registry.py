@@ -22,6 +22,7 @@ _BUILTINS = {
     "replay_dpo": "composer_lightning.heads.replay_dpo:ReplayDPOHead",
     "kl": "composer_lightning.heads.kl:KLHead",
     "sft": "composer_lightning.heads.sft:SFTHead",
+    "context_distill": "composer_lightning.heads.context_distill:ContextDistillHead",
 }
 
 

@@ -215,6 +215,21 @@ class StepContext:
         """Reduce `[B, T]` values over `mask` with the module's aggregation."""
         return masked_aggregate(values, mask, self.aggregation, norm_length=self.norm_length)
 
+    def policy_token_logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor
+    ) -> Tensor:
+        """`[N, T]` policy log-probs of the sampling distribution on the response tokens of
+        other sequences (grad; 0 elsewhere), as `logprobs` is for the batch's.
+
+        Under FSDP2 this is a forward of the sharded policy, a collective: a head that calls it
+        must call it on every rank in every step (on a placeholder when it has nothing to do).
+        """
+        if self._policy_forward is None:
+            raise AttributeError(
+                "policy forward on other sequences needs 'sequence_logprobs' in requires"
+            )
+        return self._policy_forward(input_ids, attention_mask, response_mask)
+
     def policy_sequence_logprobs(
         self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor
     ) -> Tensor:
@@ -228,7 +243,7 @@ class StepContext:
                 "policy forward on other sequences needs 'sequence_logprobs' in requires"
             )
         return sequence_logprobs(
-            self._policy_forward(input_ids, attention_mask, response_mask), response_mask
+            self.policy_token_logprobs(input_ids, attention_mask, response_mask), response_mask
         )
 
     def reference_sequence_logprobs(

@@ -30,11 +30,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from composer_lightning.callbacks.samples import write_samples
 from composer_lightning.engines.base import EngineContext, RolloutEngine, SamplingConfig
 from composer_lightning.engines.fingerprint import Fingerprint, FingerprintRecorder
+from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
 from composer_lightning.models.weights import iter_hf_weights
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.ahead import GenerationAhead
 from composer_lightning.rollout.checks import (
     check_engine_layout,
+    check_hinted_replies,
     check_inputs,
     check_settings,
     follow_the_sampling_temperature,
@@ -48,6 +50,7 @@ from composer_lightning.rollout.generation import (
     sampling_seed,
     tensor_parallel_group,
 )
+from composer_lightning.rollout.hinted import HintedReplies, HintedSampler
 from composer_lightning.rollout.providers import share_trainer_state
 from composer_lightning.rollout.validation import evaluate, validate_now
 from composer_lightning.runtime.calls import check_timeout, check_workers
@@ -66,14 +69,15 @@ from composer_lightning.tasks.verifiers import VerifierScore
 from composer_lightning.training.canary import check_fingerprint
 
 
-def reads_teacher(pl_module: Any) -> bool:
-    """Whether the module's heads read a hinted teacher in the updates the next rollout batch
-    trains (True for a module without heads): a head ramped to weight 0 asks for no hints."""
+def reads_teacher(pl_module: Any, signals: frozenset[str] = TEACHER_SIGNALS) -> bool:
+    """Whether the module's heads read a hinted teacher (or other `signals`) in the updates
+    the next rollout batch trains (True for a module without heads): a head ramped to weight 0
+    asks for no hints."""
     objective = getattr(pl_module, "objective", None)
     if objective is None:
         return True
     step = getattr(pl_module, "global_step", None)
-    return objective.reads_teacher(step, getattr(pl_module, "updates_per_batch", 1))
+    return objective.reads(signals, step, getattr(pl_module, "updates_per_batch", 1))
 
 
 class RolloutCallback(L.Callback):
@@ -131,6 +135,9 @@ class RolloutCallback(L.Callback):
             tokens (`max_tokens`, `max_episode_tokens` or the context), −p when it has none, so
             a policy drifting to cut replies is pushed back even where every outcome is 0
             (DAPO's overlong punishment, flat); 0: off.
+        hinted_replies: sample a reply from the hinted context of the first `per_group`
+            hinted turns of each group (`rollout/hinted.py`), for a head that imitates them
+            (`context_distill`); None: off. Needs `hint` and `max_staleness` 0.
     """
 
     def __init__(
@@ -156,6 +163,7 @@ class RolloutCallback(L.Callback):
         turn_score: ScoreProvider | None = None,
         val_before_train: bool = False,
         truncation_penalty: float = 0.0,
+        hinted_replies: HintedReplies | None = None,
     ):
         check_settings(
             group_size=group_size,
@@ -190,6 +198,18 @@ class RolloutCallback(L.Callback):
         if isinstance(truncation_penalty, bool) or not truncation_penalty >= 0:
             raise ValueError(f"truncation_penalty must be >= 0, got {truncation_penalty!r}")
         self.truncation_penalty = float(truncation_penalty)
+        if hinted_replies is not None and hint is None:
+            raise ValueError(
+                "rollout.hinted_replies samples replies from the hinted context, and "
+                "rollout.hint is None: give the rollout a hint provider"
+            )
+        if hinted_replies is not None and max_staleness:
+            raise ValueError(
+                f"rollout.hinted_replies with max_staleness={max_staleness}: the hinted replies "
+                "are sampled by the trainer's engine after the hints, and generation ahead "
+                "runs the engine in a process of its own; use max_staleness 0"
+            )
+        self.hinted_replies = hinted_replies
         self._fingerprints: dict[int, Fingerprint] = {}  # the trainer's, by version
         self._samples: list[dict[str, Any]] = []
         self._last_start: float | None = None
@@ -202,6 +222,7 @@ class RolloutCallback(L.Callback):
         """Check the configuration (`checks.py`), then start the engine on this rank (and form
         its group)."""
         follow_the_sampling_temperature(pl_module, self.sampling)
+        check_hinted_replies(pl_module, self.hinted_replies)
         providers = {
             "rollout.score": self.score,
             "rollout.hint": self.hint,
@@ -410,6 +431,7 @@ class RolloutCallback(L.Callback):
         check_episode_room(where, self.episodes.max_episode_tokens)
         if self._context is not None:
             check_prompt_lengths(where, sampling.max_tokens, self._context)
+        hinted = None
         if self._ahead.engine is not None and self.episodes.max_turns > 1:
 
             def batch_of(i: int) -> tuple[list[dict[str, Any]], list[list[int]]]:
@@ -444,8 +466,20 @@ class RolloutCallback(L.Callback):
             tp = self.engine.tensor_parallel_size
             turns = len(batch["prompt_ids"]) * tp * self.episodes.max_turns  # a seed range per turn
             seed = sampling_seed(self._base_seed, step, rank, size, tp, turns, self.group_size)
+
+            def generate(prompts: list[list[int]], n: int, s: SamplingConfig) -> list:
+                return generate_in_group(self.engine, prompts, n, s, self._tp_group)
+
+            if self.hinted_replies is not None and reads_teacher(pl_module, HINTED_REPLIES):
+                # a seed range of their own: as many seeds as the batch's (n = 1 per turn)
+                hinted_seed = sampling_seed(
+                    self._base_seed + 2 * 10**9, step, rank, size, tp, turns, self.group_size
+                )
+                hinted = HintedSampler(
+                    self.hinted_replies, generate, replace(sampling, seed=hinted_seed), tp > 1
+                )
             episodes = self.episodes.run(
-                lambda prompts, n, s: generate_in_group(self.engine, prompts, n, s, self._tp_group),
+                generate,
                 dm,
                 batch["problems"],
                 batch["prompt_ids"],
@@ -455,7 +489,8 @@ class RolloutCallback(L.Callback):
             gen_time = time.perf_counter() - start
             read = getattr(self.engine, "weight_fingerprint", None)
             engine_print = read() if callable(read) else None
-            self.engine.sleep()  # frees the device for the update (CUDA sleep mode), else nothing
+            if hinted is None:  # else after the hinted replies
+                self.engine.sleep()  # frees the device for the update (CUDA sleep mode)
             version = self.engine.weight_version
             if version != pl_module.policy_version:
                 raise RuntimeError(
@@ -465,20 +500,25 @@ class RolloutCallback(L.Callback):
         compared = check_fingerprint(self._fingerprints.get(version), engine_print, version)
         metrics.max("rollout/fingerprint_params", compared)
         share_trainer_state([self.score, self.hint, self.turn_score], trainer)
+        teacher = reads_teacher(pl_module)
         rollout, built, self._samples = build_rollout(
             batch,
             episodes,
             tokenizer,
             sampling.max_tokens,
             self.score,
-            self.hint if reads_teacher(pl_module) else None,
+            self.hint if teacher or hinted is not None else None,
             self.hint_role,
             self.group_size,
             self.samples_per_step,
             self.mask_truncated_completions,
             self.turn_score,
             self.truncation_penalty,
+            teacher=teacher,
+            hinted=hinted,
         )
+        if hinted is not None:
+            self.engine.sleep()
         rollout.policy_version = version
         rollout.engine_dtype = getattr(self.engine, "dtype", None)  # the canary's threshold
         rollout.sampler_shaped = sampling.shaped  # the engine's log-probs: a behaviour policy's

@@ -17,6 +17,7 @@ import lightning as L
 
 from composer_lightning.chat import HINT_ROLES
 from composer_lightning.engines.base import RolloutEngine, SamplingConfig
+from composer_lightning.heads.base import HINTED_REPLIES
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.inputs import (
     check_episode_room,
@@ -40,6 +41,24 @@ def follow_the_sampling_temperature(pl_module: L.LightningModule, sampling: Samp
             f"model.temperature ({configured}) differs from rollout.sampling.temperature "
             f"({sampling.temperature}); log-probs must be those of the sampling "
             "distribution: set the sampling temperature only (the module follows it)"
+        )
+
+
+def check_hinted_replies(pl_module: L.LightningModule, hinted_replies: Any) -> None:
+    """Hinted replies are sampled exactly when a head imitates them: one line either way."""
+    objective = getattr(pl_module, "objective", None)
+    if objective is None:
+        return
+    reader = objective.reads(HINTED_REPLIES)
+    if reader and hinted_replies is None:
+        raise ConfigError(
+            "a head imitates replies sampled with the hint in context (context_distill), and "
+            "rollout.hinted_replies is None: set it (e.g. {per_group: 1}) and a rollout.hint"
+        )
+    if hinted_replies is not None and not reader:
+        raise ConfigError(
+            "rollout.hinted_replies is set, and no head with a non-zero weight imitates the "
+            "replies: add a context_distill head, or drop rollout.hinted_replies"
         )
 
 

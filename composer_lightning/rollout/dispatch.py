@@ -21,12 +21,14 @@ from composer_lightning.chat import TraceSample, single_turn_teacher
 from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.episodes import Episode, Turn
+from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import (
     provider_components,
     provider_logs,
     provider_values,
 )
+from composer_lightning.rollout.sample_rows import first_of_groups, sample_row
 from composer_lightning.runtime.calls import hint_candidates
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
@@ -113,6 +115,8 @@ def build_rollout(
     mask_truncated: bool = False,
     turn_score: ScoreProvider | None = None,
     truncation_penalty: float = 0.0,
+    teacher: bool = True,
+    hinted: HintedSampler | None = None,
 ) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the turns of one prompt batch's episodes.
 
@@ -138,6 +142,10 @@ def build_rollout(
     `truncation_penalty` p > 0, such an episode's outcome is its score minus p (−p when it has
     none): running out of tokens is never free, also in a group whose every outcome is 0, where
     nothing else would tell a cut reply from a finished one.
+
+    The hints make the rows' teacher contexts only with `teacher` (a head reads a teacher);
+    with `hinted`, the first hinted turns of each group also get a reply sampled from their
+    hinted context (`hinted.py`), as `RolloutBatch.hinted`.
 
     Returns:
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
@@ -214,7 +222,10 @@ def build_rollout(
         if hint is not None
         else ([None] * len(turns), 0)
     )
-    keep, counts = dispatch([r is not None for r in row_rewards], [h is not None for h in hints])
+    row_hints = hints if teacher else [None] * len(turns)  # else they only seed hinted replies
+    keep, counts = dispatch(
+        [r is not None for r in row_rewards], [h is not None for h in row_hints]
+    )
     if not keep:
         raise ScoringError(
             f"no sample of rollout batch {batch['index']} has a usable score or an accepted "
@@ -230,7 +241,7 @@ def build_rollout(
                 turn.context,
                 turn.context_ids,
                 turn.completion,
-                hints[k],
+                row_hints[k],
                 hint_role,
                 ep.tools,
             )
@@ -267,15 +278,21 @@ def build_rollout(
             dtype=torch.float64,
         )
         rollout.reward_weights = tuple(parts[1])
+    hinted_metrics = StepMetrics()
+    if hinted is not None:  # each turn's group id as its row's
+        groups = [int(batch["index"]) * P + live[e][0] for e, _ in turns]
+        episodes_of = [(live[e][1], t) for e, t in turns]
+        args = (tokenizer, episodes_of, groups, hints, hint_role, score)
+        rollout.hinted, hinted_metrics = hinted.from_turns(*args)
     truncated = torch.tensor([live[e][1].status == "truncated" for e, _ in kept])
     if mask_truncated:
         rollout.response_mask &= ~truncated[:, None]
         rollout.sdpo_mask &= ~truncated[:, None]
     by_turn = {turns[k]: (row_rewards[k], hints[k]) for k in range(len(turns))}
     rows = [
-        _row(ep, rewards[n], [by_turn[(n, t)] for t in range(len(ep.turns))])
+        sample_row(ep, rewards[n], [by_turn[(n, t)] for t in range(len(ep.turns))])
         | ({"extra": extras[n]} if extras.get(n) else {})
-        for n, ep in _first_of_groups(live)
+        for n, ep in first_of_groups(live)
     ][:samples_per_step]
     for kind, count in (("score", failures), ("hint", hint_failures)):
         if count:
@@ -322,6 +339,7 @@ def build_rollout(
     metrics.sum("rollout/tokens", float(sum(lengths)))
     for name, (value, weight) in logged.items():
         metrics.mean(name, value, weight=weight)
+    metrics.include(hinted_metrics)
     if any(len(ep.turns) > 1 or ep.tools for _, ep in flat):  # episodes of several turns
         E = float(len(flat))
         metrics.mean("episode/turns", sum(len(ep.turns) for _, ep in flat) / E, weight=E)
@@ -349,39 +367,3 @@ def build_rollout(
         if getattr(provider, "truncated", 0):
             provider.truncated = 0
     return rollout, metrics, rows
-
-
-def _first_of_groups(live: list[tuple[int, Episode]]) -> list[tuple[int, Episode]]:
-    """The first live episode of each problem, with its index among the live ones."""
-    seen, out = set(), []
-    for n, (i, ep) in enumerate(live):
-        if i not in seen:
-            seen.add(i)
-            out.append((n, ep))
-    return out
-
-
-def _row(
-    ep: Episode, reward: float | None, turns: list[tuple[float | None, Any]]
-) -> dict[str, Any]:
-    """One sample row of `rollouts.jsonl`: a single turn as (prompt, completion, reward, hint);
-    an episode as its chat, each assistant turn with its reward and hint (`turns`), and the
-    tool specs the model was shown."""
-    if len(ep.turns) == 1 and not ep.tools and not ep.turns[0].has_next_state:
-        h = turns[0][1]
-        return {
-            "prompt": (ep.turns[0].context or [{"content": ""}])[-1]["content"],
-            "completion": ep.turns[0].text,
-            "reward": reward,
-            "hint": (hint_candidates(h) or [None])[0],
-        } | ({"hint_candidates": h} if len(hint_candidates(h)) > 1 else {})
-    messages, t = [], 0
-    for m in ep.messages:
-        m = {"role": m["role"], "content": m["content"]}
-        if m["role"] == "assistant" and t < len(turns):
-            value, h = turns[t]
-            m |= {"reward": value, "hint": (hint_candidates(h) or [None])[0]}
-            t += 1
-        messages.append(m)
-    tools = {"tools": ep.tools} if ep.tools else {}
-    return {"messages": messages, "reward": reward, "status": ep.status} | tools

@@ -194,7 +194,13 @@ class Objective:
         weight: its configured weight, or with `step` its effective weight at any of the
         `updates` optimizer steps from `step` (a ramp that has reached 0 reads no teacher).
         If none does, the rollout side asks no hint provider for hints."""
-        readers = [h for h in self.heads if h.requires & TEACHER_SIGNALS]
+        return self.reads(TEACHER_SIGNALS, step, updates)
+
+    def reads(self, signals: frozenset[str], step: int | None = None, updates: int = 1) -> bool:
+        """Whether a head that requires one of `signals` has a non-zero weight: its configured
+        weight, or with `step` its effective weight at any of the `updates` optimizer steps
+        from `step`."""
+        readers = [h for h in self.heads if h.requires & signals]
         if step is None:
             return any(h.weight > 0 for h in readers)
         return any(h.effective_weight(step + k) > 0 for h in readers for k in range(updates))

@@ -1,0 +1,45 @@
+"""The rows of `rollouts.jsonl` (and TensorBoard's TEXT tab) a rollout batch writes: one per
+problem, its first live episode, as a user reads it (`callbacks/samples.py` writes them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_lightning.rollout.episodes import Episode
+from composer_lightning.runtime.calls import hint_candidates
+
+
+def first_of_groups(live: list[tuple[int, Episode]]) -> list[tuple[int, Episode]]:
+    """The first live episode of each problem, with its index among the live ones."""
+    seen, out = set(), []
+    for n, (i, ep) in enumerate(live):
+        if i not in seen:
+            seen.add(i)
+            out.append((n, ep))
+    return out
+
+
+def sample_row(
+    ep: Episode, reward: float | None, turns: list[tuple[float | None, Any]]
+) -> dict[str, Any]:
+    """One sample row of `rollouts.jsonl`: a single turn as (prompt, completion, reward, hint);
+    an episode as its chat, each assistant turn with its reward and hint (`turns`), and the
+    tool specs the model was shown."""
+    if len(ep.turns) == 1 and not ep.tools and not ep.turns[0].has_next_state:
+        h = turns[0][1]
+        return {
+            "prompt": (ep.turns[0].context or [{"content": ""}])[-1]["content"],
+            "completion": ep.turns[0].text,
+            "reward": reward,
+            "hint": (hint_candidates(h) or [None])[0],
+        } | ({"hint_candidates": h} if len(hint_candidates(h)) > 1 else {})
+    messages, t = [], 0
+    for m in ep.messages:
+        m = {"role": m["role"], "content": m["content"]}
+        if m["role"] == "assistant" and t < len(turns):
+            value, h = turns[t]
+            m |= {"reward": value, "hint": (hint_candidates(h) or [None])[0]}
+            t += 1
+        messages.append(m)
+    tools = {"tools": ep.tools} if ep.tools else {}
+    return {"messages": messages, "reward": reward, "status": ep.status} | tools
