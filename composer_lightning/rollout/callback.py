@@ -7,13 +7,14 @@ cache is reset. On (re)start the engine is synced from the trainer's weights bef
 generates. The callback orchestrates; its parts have owners of their own: the setup checks
 (`checks.py`), seeds and tensor-parallel groups (`generation.py`), generation ahead of the
 trainer with `max_staleness = k > 0` (`ahead.py`), the episode loop (`episodes.py`), the
-dispatch (`dispatch.py`) and held-out evaluation (`validation.py`).
+dispatch (`dispatch.py`), replies sampled with the hint in context (`hinted.py`) and held-out
+evaluation (`validation.py`).
 
 The canary compares the engine's weight fingerprint of the version that generated each batch
 with the trainer's (`engines/fingerprint.py`), exactly.
 
 Why this file is long: `RolloutCallback` is the class a run configures as `rollout:`, and its
-twenty-one options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
+twenty-two options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
 lives in the modules named above.
 """
 
