@@ -110,6 +110,7 @@ def test_replies_are_sampled_from_the_hinted_prompt_and_set_after_the_students(t
     assert not rows.response_mask[0, n0:].any() and rows.attention_mask[0].sum() == n0
     local = metrics.local()
     assert local["hinted/replies"] == 3 and local["hinted/truncated"] == 1
+    assert local["hinted/scored"] == 2
     assert local["hinted/reward_mean"] == 0.5
 
 

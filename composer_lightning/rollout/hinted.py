@@ -183,6 +183,7 @@ def sample_hinted(
     metrics.sum("hinted/truncated", float(len(replies) - len(kept)))
     metrics.sum("hinted/score_failures", float(failures))
     got = [r for r in rewards if r is not None]
+    metrics.sum("hinted/scored", float(len(got)))  # the reward mean is over these
     metrics.mean("hinted/reward_mean", sum(got) / max(len(got), 1), weight=float(len(got)))
     lengths = [len(replies[k].token_ids) for k in kept]
     metrics.mean(
