@@ -7,7 +7,7 @@ are compared); the rollout kinds keep the module's defaults: clipping at `max_gr
 and the canary at `max_logprob_gap="auto"`. `fsdp2_uneven`: rank 1 gets a constant reward on
 every other sample, no score on the rest, and no hints (fewer samples than rank 0, an empty
 replay buffer, no SDPO or OPD term, a placeholder teacher forward, placeholder forwards for
-top-k OPD's candidates) while rank 0 gets the verifier's, two candidate hints each. `fsdp2_raise`: rank 1's reward function raises from the second step on, and
+top-k OPD's candidates and for context distillation, which has no hinted reply there) while rank 0 gets the verifier's, two candidate hints each. `fsdp2_raise`: rank 1's reward function raises from the second step on, and
 collectives time out after 120 s instead of 30 minutes, so a rank left waiting fails by itself.
 `fsdp2_micro`: `fsdp2` in micro-batches, rank 0 under a 60-token budget and rank 1 under 20
 (more forwards: rank 0 runs placeholders); both count the collectives that reduce gradients.
@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.datamodules.synthetic import SyntheticRolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig, iter_hf_weights
+from composer_lightning.heads.context_distill import ContextDistillHead
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
@@ -40,6 +41,7 @@ from composer_lightning.heads.topk_opd import TopKOPDHead
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.rollout.hinted import HintedReplies
 from composer_lightning.tasks import FunctionScore, VerifierHint, VerifierScore
 from composer_lightning.training.canary import default_max_logprob_gap
 from composer_lightning.training.module import ComposerModule
@@ -84,6 +86,8 @@ heads = [
     ReplayDPOHead(weight=0.1, pairs_per_step=2, reference="model"),
     TopKOPDHead(weight=0.5),  # rollout kinds: two candidate hints (rank 1 of uneven: none)
 ]
+if rollouts:  # context distillation on the hinted replies (rank 1 of uneven: none, a placeholder)
+    heads.append(ContextDistillHead(weight=0.1, min_reward=None))
 flat = kind.endswith("_flat")  # signal-free updates, skipped (skip_signal_free_updates)
 if flat:
     heads = [DrGRPOHead()]
@@ -121,6 +125,7 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
             sampling=SamplingConfig(max_tokens=6, seed=0),
             score=FunctionScore(reward) if uneven else None,
             hint=RankHint(candidates=2) if uneven else VerifierHint(candidates=2),
+            hinted_replies=HintedReplies(temperature=0.0),
         )
     ]
 
