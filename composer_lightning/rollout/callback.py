@@ -70,10 +70,10 @@ from composer_lightning.tasks.verifiers import VerifierScore
 from composer_lightning.training.canary import check_fingerprint
 
 
-def reads_teacher(pl_module: Any, signals: frozenset[str] = TEACHER_SIGNALS) -> bool:
-    """Whether the module's heads read a hinted teacher (or other `signals`) in the updates
-    the next rollout batch trains (True for a module without heads): a head ramped to weight 0
-    asks for no hints."""
+def module_reads(pl_module: Any, signals: frozenset[str]) -> bool:
+    """Whether the module's heads read `signals` (a hinted teacher, hinted replies) in the
+    updates the next rollout batch trains (True for a module without heads): a head ramped to
+    weight 0 asks for no hints."""
     objective = getattr(pl_module, "objective", None)
     if objective is None:
         return True
@@ -471,7 +471,7 @@ class RolloutCallback(L.Callback):
             def generate(prompts: list[list[int]], n: int, s: SamplingConfig) -> list:
                 return generate_in_group(self.engine, prompts, n, s, self._tp_group)
 
-            if self.hinted_replies is not None and reads_teacher(pl_module, HINTED_REPLIES):
+            if self.hinted_replies is not None and module_reads(pl_module, HINTED_REPLIES):
                 # a seed range of their own: as many seeds as the batch's (n = 1 per turn)
                 hinted_seed = sampling_seed(
                     self._base_seed + 2 * 10**9, step, rank, size, tp, turns, self.group_size
@@ -501,7 +501,7 @@ class RolloutCallback(L.Callback):
         compared = check_fingerprint(self._fingerprints.get(version), engine_print, version)
         metrics.max("rollout/fingerprint_params", compared)
         share_trainer_state([self.score, self.hint, self.turn_score], trainer)
-        teacher = reads_teacher(pl_module)
+        teacher = module_reads(pl_module, TEACHER_SIGNALS)
         rollout, built, self._samples = build_rollout(
             batch,
             episodes,

@@ -20,6 +20,7 @@ stays unscored. A reply cut by `max_tokens` is dropped (counted), never imitated
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -141,7 +142,9 @@ def sample_hinted(
     if settings.temperature is not None:
         sampling = replace(sampling, temperature=settings.temperature)
     prompts = [t.teacher_prompt for t in turns]
+    start = time.perf_counter()
     outs = generate(prompts, 1, sampling) if prompts or collective else []
+    gen_time = time.perf_counter() - start
     replies = [group[0] for group in outs]
     kept = [k for k, c in enumerate(replies) if c.finish_reason != "length"]
     scored = [k for k in kept if turns[k].problem is not None]
@@ -181,6 +184,7 @@ def sample_hinted(
     metrics = StepMetrics()
     metrics.sum("hinted/replies", float(len(kept)))
     metrics.sum("hinted/truncated", float(len(replies) - len(kept)))
+    metrics.max("hinted/gen_time", gen_time)
     metrics.sum("hinted/score_failures", float(failures))
     got = [r for r in rewards if r is not None]
     metrics.sum("hinted/scored", float(len(got)))  # the reward mean is over these
