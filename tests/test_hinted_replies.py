@@ -89,7 +89,7 @@ def test_replies_are_sampled_from_the_hinted_prompt_and_set_after_the_students(t
         ]
     )
     sampling = SamplingConfig(temperature=0.7, max_tokens=4, seed=123)
-    rows, metrics = sample_hinted(
+    rows, metrics, texts = sample_hinted(
         turns,
         engine,
         sampling,
@@ -111,6 +111,7 @@ def test_replies_are_sampled_from_the_hinted_prompt_and_set_after_the_students(t
     local = metrics.local()
     assert local["hinted/replies"] == 3 and local["hinted/truncated"] == 1
     assert local["hinted/scored"] == 2
+    assert texts == ["7", "8", "call"]  # each row's reply, decoded
     assert local["hinted/reward_mean"] == 0.5
 
 
@@ -133,10 +134,12 @@ def test_build_rollout_samples_hinted_replies_without_teacher_contexts(tokenizer
     episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
     engine = _Engine([_reply(tokenizer, "2"), _reply(tokenizer, "7"), _reply(tokenizer, "5")])
     sampler = HintedSampler(HintedReplies(per_group=2), engine, SamplingConfig(seed=1))
-    rollout, metrics, _ = build_rollout(
-        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 2, 0,
+    rollout, metrics, rows = build_rollout(
+        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 2, 2,
         teacher=False, hinted=sampler,
     )  # fmt: skip
+    # each group's sample row shows its first hinted reply and that reply's score
+    assert [(r["hinted_reply"], r["hinted_reward"]) for r in rows] == [("2", 1.0), ("7", 1.0)]
     assert not rollout.has_teacher.any()
     ((prompts, n, _),) = engine.calls
     # group 6 (batch 3 x 2 prompts + 0): its one hinted turn; group 7: both

@@ -102,8 +102,9 @@ class RolloutCallback(L.Callback):
         hint_role: where the hint goes: a "user" or "system" message after the prompt, or
             "inline", appended to the prompt's last message (`chat.with_hint`).
         samples_every_n_steps: every this many steps, `samples_per_step` of rank 0's samples
-            (prompt, completion, reward, hint) go to `rollouts.jsonl` in the run directory and
-            to TensorBoard's TEXT tab; 0 turns this off.
+            (prompt, completion, reward, hint; the group's first hinted reply with
+            `hinted_replies`) go to `rollouts.jsonl` in the run directory and to TensorBoard's
+            TEXT tab; 0 turns this off.
         samples_per_step: samples written each time.
         val_samples: k, the sampled completions per held-out prompt for `val/pass@k`
             (validation also decodes greedily: `val/accuracy`).

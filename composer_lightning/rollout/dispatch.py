@@ -151,7 +151,9 @@ def build_rollout(
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
         (counts summed, means weighted by their samples, maxima); and one row per prompt for
         the first `samples_per_step` prompts (a single turn: prompt, completion, reward, hint;
-        an episode: its chat `messages`, each assistant turn with its reward and hint).
+        an episode: its chat `messages`, each assistant turn with its reward and hint; with
+        `hinted`, the group's first hinted reply and its score, `hinted_reply` and
+        `hinted_reward`).
 
     Raises:
         ScoringError: every episode failed, every score call failed, or every turn was
@@ -279,11 +281,20 @@ def build_rollout(
         )
         rollout.reward_weights = tuple(parts[1])
     hinted_metrics = StepMetrics()
+    shown: dict[int, dict[str, Any]] = {}  # each group's first hinted reply, for its sample row
     if hinted is not None:  # each turn's group id as its row's
         groups = [int(batch["index"]) * P + live[e][0] for e, _ in turns]
         episodes_of = [(live[e][1], t) for e, t in turns]
         args = (tokenizer, episodes_of, groups, hints, hint_role, score)
-        rollout.hinted, hinted_metrics = hinted.from_turns(*args)
+        rollout.hinted, hinted_metrics, texts = hinted.from_turns(*args)
+        for g, r, ok, text in zip(
+            rollout.hinted.group_ids.tolist(),
+            rollout.hinted.rewards.tolist(),
+            rollout.hinted.has_reward.tolist(),
+            texts,
+            strict=True,
+        ):
+            shown.setdefault(g, {"hinted_reply": text, "hinted_reward": r if ok else None})
     truncated = torch.tensor([live[e][1].status == "truncated" for e, _ in kept])
     if mask_truncated:
         rollout.response_mask &= ~truncated[:, None]
@@ -292,6 +303,7 @@ def build_rollout(
     rows = [
         sample_row(ep, rewards[n], [by_turn[(n, t)] for t in range(len(ep.turns))])
         | ({"extra": extras[n]} if extras.get(n) else {})
+        | shown.get(int(batch["index"]) * P + live[n][0], {})
         for n, ep in first_of_groups(live)
     ][:samples_per_step]
     for kind, count in (("score", failures), ("hint", hint_failures)):

@@ -124,7 +124,7 @@ def sample_hinted(
     score: ScoreProvider,
     tokenizer: Any,
     collective: bool = False,
-) -> tuple[HintedRows, StepMetrics]:
+) -> tuple[HintedRows, StepMetrics, list[str]]:
     """One reply per turn from its hinted context, scored where it can be, as `HintedRows`.
 
     Args:
@@ -136,8 +136,8 @@ def sample_hinted(
             generate together).
 
     Returns:
-        The rows (none, when no turn was hinted or every reply was cut) and the step's
-        `hinted/...` metrics.
+        The rows (none, when no turn was hinted or every reply was cut), the step's
+        `hinted/...` metrics, and each row's reply as text.
     """
     if settings.temperature is not None:
         sampling = replace(sampling, temperature=settings.temperature)
@@ -148,16 +148,16 @@ def sample_hinted(
     replies = [group[0] for group in outs]
     kept = [k for k, c in enumerate(replies) if c.finish_reason != "length"]
     scored = [k for k in kept if turns[k].problem is not None]
-    texts = [
-        c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        for c in (replies[k] for k in scored)
-    ]
+    text = {
+        k: c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        for k, c in ((k, replies[k]) for k in kept)
+    }
     values, failures = (
         provider_values(
             score,
             "score",
             [turns[k].problem for k in scored],  # type: ignore[misc]
-            texts,
+            [text[k] for k in scored],
             [list(replies[k].token_ids) for k in scored],
         )
         if scored
@@ -195,7 +195,7 @@ def sample_hinted(
         sum(lengths) / max(len(lengths), 1),
         weight=float(len(lengths)),
     )
-    return rows, metrics
+    return rows, metrics, [text[k] for k in kept]
 
 
 @dataclass
@@ -216,7 +216,7 @@ class HintedSampler:
         hints: list[Any],
         hint_role: str,
         score: ScoreProvider,
-    ) -> tuple[HintedRows, StepMetrics]:
+    ) -> tuple[HintedRows, StepMetrics, list[str]]:
         """The hinted replies of a batch's turns (`(episode, t)`, each with its group id and
         its hint or hint candidates, None: no hint): the first hint of each hinted turn."""
         hinted = [
@@ -230,7 +230,7 @@ class HintedSampler:
 
     def __call__(
         self, turns: list[HintedTurn], score: ScoreProvider, tokenizer: Any
-    ) -> tuple[HintedRows, StepMetrics]:
+    ) -> tuple[HintedRows, StepMetrics, list[str]]:
         return sample_hinted(
             first_per_group(turns, self.settings.per_group),
             self.generate,
