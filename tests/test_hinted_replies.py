@@ -100,7 +100,7 @@ def test_replies_are_sampled_from_the_hinted_prompt_and_set_after_the_students(t
     ((prompts, n, used),) = engine.calls
     assert prompts == [t.teacher_prompt for t in turns] and n == 1
     assert used == replace(sampling, temperature=0.0)  # the seed kept, the temperature theirs
-    assert len(rows) == 3 and rows.group_ids.tolist() == [5, 5, 6]
+    assert rows.batch_size == 3 and rows.group_ids.tolist() == [5, 5, 6]
     assert rows.has_reward.tolist() == [True, True, False]
     assert rows.rewards.tolist()[:2] == [1.0, 0.0]
     seven = tokenizer.encode("7") + [tokenizer.eos_token_id]
@@ -160,7 +160,7 @@ def test_build_rollout_samples_hinted_replies_without_teacher_contexts(tokenizer
     both, _, _ = build_rollout(
         batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 2, 0, hinted=sampler
     )
-    assert both.has_teacher.tolist() == [False, True, True, True] and len(both.hinted) == 3
+    assert both.has_teacher.tolist() == [False, True, True, True] and both.hinted.batch_size == 3
 
 
 def _fit(heads, steps=2, **callback_kw):

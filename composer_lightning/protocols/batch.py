@@ -39,50 +39,6 @@ class DPOPairs:
 
 
 @dataclass
-class HintedRows:
-    """Replies sampled from the hinted teacher's context, set beside the student's context
-    (`rollout.hinted_replies`): what context distillation imitates. Per-token tensors are
-    `[N, T]` (student prompt ⊕ hinted reply, padded), per-row `[N]`.
-
-    Attributes:
-        input_ids: the turn's student context ⊕ the reply sampled with the hint in context.
-        attention_mask: 1 on real tokens.
-        response_mask: bool, the reply's tokens.
-        rewards: the reply's score (meaningful only where `has_reward`).
-        has_reward: bool, the score provider gave a usable score.
-        group_ids: the group of the turn whose hint it answers: a minibatch reads the rows of
-            its own groups.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    response_mask: Tensor
-    rewards: Tensor
-    has_reward: Tensor
-    group_ids: Tensor
-
-    def __post_init__(self) -> None:
-        self.response_mask = self.response_mask.bool()
-        self.has_reward = self.has_reward.bool()
-        N = self.input_ids.shape[0]
-        for name in ("attention_mask", "response_mask"):
-            if getattr(self, name).shape != self.input_ids.shape:
-                raise ValueError(
-                    f"HintedRows.{name} has shape {tuple(getattr(self, name).shape)}; expected "
-                    f"{tuple(self.input_ids.shape)} like input_ids"
-                )
-        for name in ("rewards", "has_reward", "group_ids"):
-            if tuple(getattr(self, name).shape) != (N,):
-                raise ValueError(
-                    f"HintedRows.{name} has shape {tuple(getattr(self, name).shape)}; "
-                    f"expected {(N,)}"
-                )
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-@dataclass
 class RolloutBatch:
     """A batch of scored rollouts, as the module consumes it.
 
@@ -118,7 +74,9 @@ class RolloutBatch:
         episode_ids: `[B]` long, rows that are turns of one episode share an id (its GRPO
             advantage is the episode's); None: every row is an episode of its own.
         dpo_pairs: optional replay pairs recorded by the rollout side.
-        hinted: replies sampled with the hint in context (context distillation), or None.
+        hinted: replies sampled with the hint in context (context distillation), or None: a
+            batch of their own, each row the turn's student context ⊕ its hinted reply, its
+            score, and the group id of the turn it answers (a minibatch reads its own groups').
         index: the prompt batch (stream position) it was made from, or None.
         metrics: the rollout side's metrics of this batch, each with its reduction over ranks;
             the module reduces and logs them with its own, once per step.
@@ -155,7 +113,7 @@ class RolloutBatch:
     has_candidate: Tensor | None = None
     episode_ids: Tensor | None = None
     dpo_pairs: DPOPairs | None = None
-    hinted: HintedRows | None = None
+    hinted: RolloutBatch | None = None
     index: int | None = None
     metrics: StepMetrics | None = None
     engine_dtype: str | None = None
@@ -289,8 +247,10 @@ class RolloutBatch:
             v = getattr(self, f.name)
             if isinstance(v, Tensor):
                 v = v.to(device)
-            elif isinstance(v, (DPOPairs, HintedRows)):
-                v = type(v)(**{k.name: getattr(v, k.name).to(device) for k in fields(v)})
+            elif isinstance(v, DPOPairs):
+                v = DPOPairs(**{k.name: getattr(v, k.name).to(device) for k in fields(v)})
+            elif isinstance(v, RolloutBatch):  # the hinted replies
+                v = v.to(device)
             kwargs[f.name] = v
         return replace(self, **kwargs)
 

@@ -29,7 +29,7 @@ import torch
 
 from composer_lightning.chat import single_turn_teacher
 from composer_lightning.engines.base import Completion, SamplingConfig
-from composer_lightning.protocols.batch import HintedRows, pad_rows
+from composer_lightning.protocols.batch import RolloutBatch, pad_rows
 from composer_lightning.rollout.providers import (
     provider_components,
     provider_logs,
@@ -124,8 +124,9 @@ def sample_hinted(
     score: ScoreProvider,
     tokenizer: Any,
     collective: bool = False,
-) -> tuple[HintedRows, StepMetrics, list[str]]:
-    """One reply per turn from its hinted context, scored where it can be, as `HintedRows`.
+) -> tuple[RolloutBatch, StepMetrics, list[str]]:
+    """One reply per turn from its hinted context, scored where it can be, as a `RolloutBatch` of
+    their own (`RolloutBatch.hinted`).
 
     Args:
         generate: the rollout's `(prompts, n, sampling) -> completions` (seeded by
@@ -173,13 +174,14 @@ def sample_hinted(
         [False] * len(turns[k].student_ids) + [True] * len(replies[k].token_ids) for k in kept
     ]
     rewards = [reward.get(k) for k in kept]
-    rows = HintedRows(
+    rows = RolloutBatch(
         input_ids=pad_rows(seqs, value=tokenizer.pad_token_id or 0),
         attention_mask=pad_rows([[1] * len(s) for s in seqs]),
         response_mask=pad_rows(response, dtype=torch.bool),
         rewards=torch.tensor([0.0 if r is None else r for r in rewards], dtype=torch.float),
         has_reward=torch.tensor([r is not None for r in rewards], dtype=torch.bool),
         group_ids=torch.tensor([turns[k].group for k in kept], dtype=torch.long),
+        max_response_length=sampling.max_tokens,
     )
     metrics = StepMetrics()
     metrics.sum("hinted/replies", float(len(kept)))
@@ -216,7 +218,7 @@ class HintedSampler:
         hints: list[Any],
         hint_role: str,
         score: ScoreProvider,
-    ) -> tuple[HintedRows, StepMetrics, list[str]]:
+    ) -> tuple[RolloutBatch, StepMetrics, list[str]]:
         """The hinted replies of a batch's turns (`(episode, t)`, each with its group id and
         its hint or hint candidates, None: no hint): the first hint of each hinted turn."""
         hinted = [
@@ -230,7 +232,7 @@ class HintedSampler:
 
     def __call__(
         self, turns: list[HintedTurn], score: ScoreProvider, tokenizer: Any
-    ) -> tuple[HintedRows, StepMetrics, list[str]]:
+    ) -> tuple[RolloutBatch, StepMetrics, list[str]]:
         return sample_hinted(
             first_per_group(turns, self.settings.per_group),
             self.generate,

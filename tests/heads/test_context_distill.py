@@ -10,7 +10,7 @@ import torch
 from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.heads.context_distill import ContextDistillHead
 from composer_lightning.heads.sft import SFTHead
-from composer_lightning.protocols.batch import HintedRows, RolloutBatch, pad_rows
+from composer_lightning.protocols.batch import RolloutBatch, pad_rows
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import context, full_logits, tiny_model
 
@@ -24,9 +24,9 @@ REPLIES = [
 ]
 
 
-def _hinted() -> HintedRows:
+def _hinted() -> RolloutBatch:
     seqs = [p + r for _, p, r, _ in REPLIES]
-    return HintedRows(
+    return RolloutBatch(
         input_ids=pad_rows(seqs),
         attention_mask=pad_rows([[1] * len(s) for s in seqs]),
         response_mask=pad_rows(
@@ -35,6 +35,7 @@ def _hinted() -> HintedRows:
         rewards=torch.tensor([0.0 if v is None else v for *_, v in REPLIES]),
         has_reward=torch.tensor([v is not None for *_, v in REPLIES]),
         group_ids=torch.tensor([g for g, *_ in REPLIES]),
+        max_response_length=8,
     )
 
 
@@ -153,12 +154,13 @@ def test_refusals():
     batch.hinted = None
     with pytest.raises(ValueError, match="set rollout.hinted_replies"):
         head.compute(batch, context(module, batch))
-    with pytest.raises(ValueError, match="HintedRows.group_ids has shape"):
-        HintedRows(
+    with pytest.raises(ValueError, match="RolloutBatch.group_ids has shape"):
+        RolloutBatch(
             input_ids=torch.zeros(2, 3, dtype=torch.long),
             attention_mask=torch.ones(2, 3),
             response_mask=torch.ones(2, 3),
             rewards=torch.zeros(2),
             has_reward=torch.ones(2),
             group_ids=torch.zeros(3),
+            max_response_length=3,
         )

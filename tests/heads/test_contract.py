@@ -17,7 +17,7 @@ from composer_lightning.heads import (
     LinearWarmup,
     registry,
 )
-from composer_lightning.protocols.batch import HintedRows
+from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import context, tiny_model
 
@@ -32,13 +32,14 @@ def ctx_and_batch():
     # replies sampled with the hint in context, for the heads that imitate them: one per
     # group, its reward 1
     ids = batch.input_ids[::4].clone()
-    batch.hinted = HintedRows(
+    batch.hinted = RolloutBatch(
         input_ids=ids,
         attention_mask=batch.attention_mask[::4].clone(),
         response_mask=batch.response_mask[::4].clone(),
         rewards=torch.ones(len(ids)),
         has_reward=torch.ones(len(ids), dtype=torch.bool),
         group_ids=batch.group_ids[::4].clone(),
+        max_response_length=batch.max_response_length,
     )
     module = ComposerModule(tiny_model(), [registry.load("kl")(), registry.load("topk_opd")()])
     ctx = context(module, batch, set(REQUIREMENTS))
