@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _policy import load_policy  # noqa: E402  (bench/, beside this script)
+
 
 def answer_span(tokenizer, reply_ids: list[int], answer: int | None) -> list[bool]:
     """Per reply token, whether it is part of the reply's final number (`final_integer`)."""
@@ -90,20 +92,14 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from composer_lightning.chat import render_ids
     from composer_lightning.chat.hints import HINT_ROLES, with_hint
-    from composer_lightning.models.hub import resolve_model
     from composer_lightning.tasks import get_task
     from composer_lightning.tasks.chat_math import final_integer
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     start = time.perf_counter()
-    path = resolve_model(args.model, what="--model")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer, model = load_policy(args.model, args.threads, args.seed)
     task = get_task(args.task)
     problems = task.samples(args.prompts, seed=10_000 + args.seed)
 

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _policy import load_policy  # noqa: E402  (bench/, beside this script)
+
 
 def right_call(reply: str, partial: int, following: int) -> bool:
     """Whether `reply` holds a complete call of `add` on the partial sum and the next number
@@ -62,20 +64,15 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from composer_lightning.chat.hints import with_hint
     from composer_lightning.chat.templates import render_ids
     from composer_lightning.envs.python_tools import CALL_CLOSE, CALL_OPEN
-    from composer_lightning.models.hub import resolve_model
     from composer_lightning.tasks import get_task
     from composer_lightning.tasks.tool_calc import partial_sum_hint
 
-    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    path = resolve_model(args.model, what="--model")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer, model = load_policy(args.model, args.threads)
     task = get_task("tool_calc", terms=args.terms)
     counts = {role: {"calls": 0, "right_call": 0, "answers": 0} for role in ("student", "teacher")}
     examples: dict[str, str] = {}

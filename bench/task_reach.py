@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _policy import load_policy  # noqa: E402  (bench/, beside this script)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -44,19 +46,13 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from composer_lightning.chat.hints import with_hint
     from composer_lightning.chat.templates import render_ids
-    from composer_lightning.models.hub import resolve_model
     from composer_lightning.tasks import get_task
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     start = time.perf_counter()
-    path = resolve_model(args.model, what="--model")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer, model = load_policy(args.model, args.threads, args.seed)
     task = get_task(args.task)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

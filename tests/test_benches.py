@@ -231,6 +231,7 @@ SMOKES = {
 ELSEWHERE = {
     "gpu_check.py": "tests/test_gpu_check.py",  # --smoke, FSDP2 + vLLM + the overlapped path
     "throughput_runs.py": "bench/throughput.py",  # its measured processes: run by its smoke
+    "_policy.py": "bench/task_reach.py",  # the HF-generate benches' model loading: run by theirs
 }
 
 
