@@ -23,7 +23,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from operator import attrgetter, itemgetter
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +39,8 @@ from composer_lightning.rollout.providers import (
 from composer_lightning.runtime.calls import hint_candidates
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.tasks.base import ScoreProvider
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -105,14 +108,17 @@ def episode_turn(
     return HintedTurn(group, list(turn.context_ids), teacher.teacher_ids, problem)
 
 
-def first_per_group(turns: list[HintedTurn], per_group: int) -> list[HintedTurn]:
-    """The first `per_group` turns of each group, in their order."""
+def first_per_group(
+    items: list[T], per_group: int, group: Callable[[T], int] = attrgetter("group")
+) -> list[T]:
+    """The first `per_group` items of each group (`group(item)`), in their order."""
     seen: dict[int, int] = {}
     out = []
-    for turn in turns:
-        if seen.get(turn.group, 0) < per_group:
-            seen[turn.group] = seen.get(turn.group, 0) + 1
-            out.append(turn)
+    for item in items:
+        g = group(item)
+        if seen.get(g, 0) < per_group:
+            seen[g] = seen.get(g, 0) + 1
+            out.append(item)
     return out
 
 
@@ -220,21 +226,18 @@ class HintedSampler:
         score: ScoreProvider,
     ) -> tuple[RolloutBatch, StepMetrics, list[str]]:
         """The hinted replies of a batch's turns (`(episode, t)`, each with its group id and
-        its hint or hint candidates, None: no hint): the first hint of each hinted turn."""
+        its hint or hint candidates, None: no hint): the first hint of each of the first
+        `per_group` hinted turns of each group (only those are rendered)."""
         hinted = [
-            episode_turn(tokenizer, group, episode, t, first[0], hint_role)
+            (group, episode, t, first[0])
             for (episode, t), group, first in zip(
                 turns, groups, map(hint_candidates, hints), strict=True
             )
             if first
         ]
-        return self(hinted, score, tokenizer)
-
-    def __call__(
-        self, turns: list[HintedTurn], score: ScoreProvider, tokenizer: Any
-    ) -> tuple[RolloutBatch, StepMetrics, list[str]]:
+        chosen = first_per_group(hinted, self.settings.per_group, group=itemgetter(0))
         return sample_hinted(
-            first_per_group(turns, self.settings.per_group),
+            [episode_turn(tokenizer, *turn, hint_role) for turn in chosen],
             self.generate,
             self.sampling,
             self.settings,
