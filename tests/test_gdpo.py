@@ -4,8 +4,6 @@ advantages are `functional.gdpo_advantages` of them (checked against TRL there).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import lightning as L
 import pytest
 import torch
@@ -16,6 +14,7 @@ from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.functional import gdpo_advantages
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.protocols.step import StepContext
 from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.tasks import FunctionScore
 from composer_lightning.training.module import ComposerModule
@@ -40,6 +39,12 @@ class Batches(L.Callback):
         self.seen.append(batch["rollout"])
 
 
+def _context(dtype: torch.dtype) -> StepContext:
+    """A step context of a whole rollout batch, for the head's advantages alone."""
+    zeros = torch.zeros(1, dtype=dtype)
+    return StepContext(0, zeros, zeros, "token_mean", None, 1.0)
+
+
 def test_each_functions_values_reach_the_head_and_it_normalises_them_apart():
     score = FunctionScore([length_reward, digit_reward], reward_weights=[1.0, 0.5])
     engine = HFEngine(model_path=POLICY, seed=0)
@@ -59,7 +64,7 @@ def test_each_functions_values_reach_the_head_and_it_normalises_them_apart():
         torch.testing.assert_close(
             rb.rewards.double()[rb.has_reward], summed[rb.has_reward], rtol=0, atol=1e-6
         )
-        out = head.compute(rb, SimpleNamespace(logprobs=torch.zeros(1, dtype=torch.float64)))
+        out = head.compute(rb, _context(torch.float64))
         want = gdpo_advantages(
             rb.reward_components,
             torch.tensor([1.0, 0.5], dtype=torch.float64),
@@ -76,7 +81,7 @@ def test_gdpo_without_each_functions_values_is_one_line():
     batch = synthetic_batch(torch.Generator().manual_seed(0), vocab_size=64)
     head = DrGRPOHead(multi_objective_aggregation="normalize_then_sum")
     with pytest.raises(ValueError, match="this batch has none: score with a FunctionScore"):
-        head.compute(batch, SimpleNamespace(logprobs=torch.zeros(1)))
+        head.compute(batch, _context(torch.float32))
     with pytest.raises(
         ValueError, match="must be one of \\('sum_then_normalize', 'normalize_then_sum'\\)"
     ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from composer_lightning.functional import episode_advantages, gdpo_advantages, grpo_advantages
 from composer_lightning.heads.base import Head, HeadOutput
@@ -60,28 +61,8 @@ class DrGRPOHead(Head):
         self.gdpo = multi_objective_aggregation == "normalize_then_sum"
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
-        rewards = batch.rewards.to(ctx.logprobs.dtype)
-        if self.gdpo:
-            if batch.reward_components is None:
-                raise ValueError(
-                    f"{self.name}: multi_objective_aggregation='normalize_then_sum' normalises "
-                    "each reward function's values, and this batch has none: score with a "
-                    "FunctionScore of several reward functions"
-                )
-            weights = torch.tensor(batch.reward_weights, dtype=rewards.dtype)
-            adv = gdpo_advantages(
-                batch.reward_components.to(rewards),
-                weights,
-                batch.group_ids,
-                batch.has_reward,
-                batch.episode_ids,
-            )
-        elif batch.episode_ids is None:
-            adv = grpo_advantages(rewards, batch.group_ids, batch.has_reward, self.scale_rewards)
-        else:  # an episode's turns are rows: the episode counts once in its group
-            adv = episode_advantages(
-                rewards, batch.group_ids, batch.episode_ids, batch.has_reward, self.scale_rewards
-            )
+        # the statistics of "batch" options are the rollout batch's, however many minibatches
+        adv = ctx.over_rollout(batch, lambda whole: self.advantages(whole, ctx.logprobs.dtype))
         active = batch.response_mask & batch.has_reward.unsqueeze(1)  # [B, T]
         advantages = adv.unsqueeze(1) * active
         return HeadOutput(
@@ -93,4 +74,29 @@ class DrGRPOHead(Head):
                 else 0.0,
                 "rewarded_frac": batch.has_reward.float().mean(),
             },
+        )
+
+    def advantages(self, batch: RolloutBatch, dtype: torch.dtype) -> Tensor:
+        """`[B]` the per-sample advantages of a whole rollout batch (0 without a reward)."""
+        rewards = batch.rewards.to(dtype)
+        if self.gdpo:
+            if batch.reward_components is None:
+                raise ValueError(
+                    f"{self.name}: multi_objective_aggregation='normalize_then_sum' normalises "
+                    "each reward function's values, and this batch has none: score with a "
+                    "FunctionScore of several reward functions"
+                )
+            weights = torch.tensor(batch.reward_weights, dtype=rewards.dtype)
+            return gdpo_advantages(
+                batch.reward_components.to(rewards),
+                weights,
+                batch.group_ids,
+                batch.has_reward,
+                batch.episode_ids,
+            )
+        if batch.episode_ids is None:
+            return grpo_advantages(rewards, batch.group_ids, batch.has_reward, self.scale_rewards)
+        # an episode's turns are rows: the episode counts once in its group
+        return episode_advantages(
+            rewards, batch.group_ids, batch.episode_ids, batch.has_reward, self.scale_rewards
         )

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from composer_lightning.functional import masked_aggregate, sequence_logprobs
+
+if TYPE_CHECKING:
+    from composer_lightning.protocols.batch import RolloutBatch
 
 _MISSING = object()
 
@@ -108,6 +111,10 @@ class StepContext:
         states: `[B, T, H]` the policy's final hidden states every per-token output above is
             computed from (grad), where each head's share of the gradient is measured
             (`functional/gradients.py`); None when a micro-batched step did not keep them.
+        rollout: the whole rollout batch this minibatch was drawn from, and `rows` the
+            minibatch's rows of it (`[B]` long); None: the minibatch is the rollout batch.
+            Statistics "over the batch" (TRL's `scale_rewards="batch"`, GDPO's batch
+            normalisation) are the rollout batch's, whatever the minibatches: `over_rollout`.
     """
 
     global_step: int
@@ -119,6 +126,8 @@ class StepContext:
     chunk_size: int = 1024
     behavior_logprobs: Tensor | None = None
     states: Tensor | None = None
+    rollout: RolloutBatch | None = None
+    rows: Tensor | None = None
     _other_states: list[Tensor] = field(default_factory=list)
     _provided: dict[str, object] = field(default_factory=dict)
     _policy_forward: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
@@ -210,6 +219,15 @@ class StepContext:
                 "only when it measures gradients)"
             )
         return [self.states, *self._other_states]
+
+    def over_rollout(self, batch: RolloutBatch, values: Callable[[RolloutBatch], Tensor]) -> Tensor:
+        """`values(whole rollout batch)` (`[N, ...]` per row), at this minibatch's rows: a
+        per-row quantity whose statistics span the rollout batch, so that 1, 2 or 4
+        minibatches train on the same values. `batch` (the minibatch) stands for the rollout
+        batch where the context has none."""
+        if self.rollout is None:
+            return values(batch)
+        return values(self.rollout)[self.rows]
 
     def aggregate(self, values: Tensor, mask: Tensor) -> Tensor:
         """Reduce `[B, T]` values over `mask` with the module's aggregation."""

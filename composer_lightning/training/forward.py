@@ -220,6 +220,8 @@ def step_context(
     aggregation: str,
     norm_length: int | None = None,
     scores: TokenScores | None = None,
+    rollout: RolloutBatch | None = None,
+    rows: Tensor | None = None,
 ) -> StepContext:
     """One policy forward (grad) on a minibatch plus its rows of the rollout targets; given
     `scores` (the micro-batched step's outputs, `accumulate.py`), no forward.
@@ -227,6 +229,8 @@ def step_context(
     Args:
         global_step, aggregation: the `StepContext`'s; norm_length: `token_sum_norm`'s
             length, None: the batch's `max_response_length`.
+        rollout, rows: the whole rollout batch and the minibatch's rows of it (None: the
+            minibatch is the rollout batch).
     """
     policy, reference = f.policy, f.reference
     temperature, chunk_size = f.temperature, f.chunk_size
@@ -279,6 +283,8 @@ def step_context(
         chunk_size=chunk_tokens(scores.lm_head_weight, chunk_size),
         behavior_logprobs=targets.behavior_logprobs,
         states=scores.states,
+        rollout=rollout,
+        rows=rows,
         _other_states=other_states,
         _provided=provided,
         _policy_forward=policy_forward,

@@ -387,10 +387,13 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         needs: set[str],
         targets: RolloutTargets | None = None,
         scores: TokenScores | None = None,
+        rollout: RolloutBatch | None = None,
+        rows: Tensor | None = None,
     ) -> StepContext:
         """One policy forward (grad) on a minibatch, with its rows of the rollout targets
         (computed here, for this minibatch alone, when not given); given `scores` (a
-        micro-batched step's outputs), no forward."""
+        micro-batched step's outputs), no forward. `rollout` and `rows`: the whole rollout
+        batch and the minibatch's rows of it, whose batch statistics heads take."""
         targets = targets if targets is not None else self.rollout_targets(mb, needs)
         return step_context(
             self.forwards,
@@ -401,6 +404,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             aggregation=self.objective.aggregation,
             norm_length=self.norm_length,
             scores=scores,
+            rollout=rollout,
+            rows=rows,
         )
 
     # ----------------------------------------------------------------- the step
@@ -451,7 +456,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
                 if plan is None
                 else accumulate.outputs(self.forwards, mb, plan, requirements, states=at_states)
             )
-            ctx = self.step_context(mb, requirements, targets.select(idx), scores)
+            ctx = self.step_context(mb, requirements, targets.select(idx), scores, rb, idx)
             if update == 0:
                 if targets.old_logprobs is None:  # a single update: the current log-probs
                     targets = replace(targets, old_logprobs=ctx.old_logprobs)
