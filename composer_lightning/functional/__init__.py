@@ -18,7 +18,7 @@ from .chunked import (
     chunked_logprobs_from_hidden,
 )
 from .dpo import dpo_loss, dpo_rewards
-from .importance import truncated_importance_weights
+from .importance import scored_log_ratio, truncated_importance_weights
 from .jsd import generalized_jsd, generalized_jsd_per_token
 from .kl import kl_penalty
 from .logprobs import entropy_from_logits, logprobs_from_logits, sequence_logprobs
@@ -47,5 +47,6 @@ __all__ = [
     "opd_advantages",
     "policy_loss",
     "sequence_logprobs",
+    "scored_log_ratio",
     "truncated_importance_weights",
 ]

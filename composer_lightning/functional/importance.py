@@ -21,6 +21,21 @@ from torch import Tensor
 from ._checks import as_bool_mask, check_range, check_same_shape
 
 
+def scored_log_ratio(
+    numerator: Tensor,  # [B, T] log-probs
+    denominator: Tensor,  # [B, T] log-probs
+    mask: Tensor,  # [B, T] bool
+) -> Tensor:  # [B, T]
+    """`numerator − denominator` (detached) on the masked tokens; 0 elsewhere and where either
+    log-prob is NaN. The one convention of every correction against the engine's log-probs: a
+    token the engine could not score is no evidence, log-ratio 0, importance weight 1 (TRL's
+    `nan_to_num(..., nan=0)`), never a NaN loss (`off_policy_sequence_mask` and
+    `truncated_importance_weights` both read it).
+    """
+    log_ratio = torch.nan_to_num(numerator.detach() - denominator.detach(), nan=0.0)
+    return torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+
+
 def truncated_importance_weights(
     old_logprobs: Tensor,  # [B, T] proximal policy (the trainer's before the update)
     behavior_logprobs: Tensor,  # [B, T] the policy that sampled the tokens
@@ -29,8 +44,9 @@ def truncated_importance_weights(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`w = min(exp(old − behaviour), cap)` per token, detached; 1 outside the mask.
 
-    The log-ratio is clamped to [-20, log(cap)] before the exp, so no weight overflows and a
-    NaN at a masked position never reaches the result.
+    The log-ratio is clamped to [-20, log(cap)] before the exp, so no weight overflows; a NaN
+    log-prob (a token the engine could not score) weighs 1 (`scored_log_ratio`), wherever it
+    is.
 
     Args:
         old_logprobs: log-probs of the sampled tokens under the proximal policy.
@@ -53,7 +69,7 @@ def truncated_importance_weights(
     m = as_bool_mask(response_mask)
     with torch.no_grad():
         zero = torch.zeros_like(old_logprobs)
-        log_ratio = torch.where(m, old_logprobs.detach() - behavior_logprobs.detach(), zero)
+        log_ratio = scored_log_ratio(old_logprobs, behavior_logprobs, m)
         raw = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
         weights = torch.exp(torch.clamp(log_ratio, min=-20.0, max=math.log(cap)))
         n = m.sum()

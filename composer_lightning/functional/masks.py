@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._checks import as_bool_mask, check_range, check_same_shape
+from .importance import scored_log_ratio
 
 
 def high_entropy_mask(
@@ -62,7 +63,8 @@ def off_policy_sequence_mask(
     mean `log μ − log π` (μ the sampling policy, π the current one; detached) exceeds
     `threshold`: negative samples the policy has moved far from teach it nothing but noise.
 
-    A NaN log-prob (a token the engine could not score) counts as no evidence (0), as TRL's.
+    A NaN log-prob (a token the engine could not score) counts as no evidence (0), as TRL's
+    (`importance.scored_log_ratio`, the importance weights' convention too).
     Advantages are per token: a token is kept when its own advantage is ≥ 0.
 
     Returns:
@@ -77,8 +79,7 @@ def off_policy_sequence_mask(
     )
     m = as_bool_mask(response_mask)
     with torch.no_grad():
-        kl = torch.nan_to_num(sampling_logprobs.detach() - logprobs.detach(), nan=0.0)
-        kl = torch.where(m, kl, torch.zeros_like(kl))
+        kl = scored_log_ratio(sampling_logprobs, logprobs, m)
         seq_kl = kl.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
         keep = (advantages.detach() >= 0) | (seq_kl <= threshold)  # [B, T]
         return (keep & m).to(logprobs.dtype)

@@ -80,3 +80,37 @@ def test_unit_weights_change_nothing_and_gradient_is_scaled():
     half, _ = policy_loss(lp, old, adv, mask, norm_length=8, weights=w)
     (g_half,) = torch.autograd.grad(half, lp)
     torch.testing.assert_close(g_half, 0.5 * g_plain, rtol=0, atol=1e-15)
+
+
+def test_a_token_the_engine_could_not_score_weighs_one_and_the_loss_stays_finite():
+    """A NaN behaviour log-prob on a response token (the engine could not score it) is no
+    evidence: weight 1, as TRL maps a NaN log-ratio to 0; the other tokens keep their weights,
+    the metrics and the weighted surrogate stay finite. The off-policy mask reads the same
+    token the same way (one convention, `scored_log_ratio`)."""
+    from composer_lightning.functional import off_policy_sequence_mask, scored_log_ratio
+
+    logprobs, old, adv, mask = make_inputs(seed=3)
+    behavior = old - 0.3
+    row, col = (int(i) for i in torch.nonzero(mask)[0])
+    behavior[row, col] = float("nan")
+    weights, metrics = truncated_importance_weights(old, behavior, mask, cap=2.0)
+    assert weights[row, col].item() == 1.0
+    others = mask.clone()
+    others[row, col] = False
+    torch.testing.assert_close(
+        weights[others], torch.full_like(weights[others], math.exp(0.3)), rtol=0, atol=1e-12
+    )
+    assert all(math.isfinite(v.item()) for v in metrics.values())
+    loss, _ = policy_loss(logprobs, old, adv, mask, weights=weights, norm_length=8)
+    assert math.isfinite(loss.item())
+    log_ratio = scored_log_ratio(old, behavior, mask)
+    assert log_ratio[row, col].item() == 0.0
+    torch.testing.assert_close(log_ratio[others], torch.full_like(log_ratio[others], 0.3))
+    # the mask reads `behaviour − π` as the evidence: the row's mean counts the unscored token
+    # as 0, 0.3 · (n − 1) / n, under a threshold of 0.3 the row's negative tokens are kept; a
+    # NaN taken as anything else would drop them or poison the mean
+    kept = off_policy_sequence_mask(-adv.abs() - 1, old, behavior, mask, threshold=0.3)
+    assert kept[row].sum() == mask[row].sum()
+    kept = off_policy_sequence_mask(-adv.abs() - 1, old, behavior, mask, threshold=0.29)
+    n = int(mask[row].sum())
+    assert kept[row].sum() == (mask[row].sum() if 0.3 * (n - 1) / n <= 0.29 else 0)
