@@ -29,10 +29,13 @@ def masked_aggregate(
     Modes (names follow verl's `agg_loss`):
 
     - `token_mean`: sum over masked tokens / number of masked tokens.
-    - `seq_mean_token_mean`: each sequence's mean over its masked tokens, then the mean over
-      the sequences that have at least one masked token.
-    - `seq_mean_token_sum`: each sequence's sum over its masked tokens, then the mean over the
-      sequences that have at least one masked token.
+    - `seq_mean_token_mean`: each sequence's mean over its masked tokens (0 for a sequence
+      without any), then the mean over all B sequences, as TRL's `loss_type="grpo"` and
+      `"sapo"` (`(loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)`, then `.mean()`): a
+      sequence masked out whole (a truncated completion, a row of another head) dilutes the
+      mean as it does `token_sum_norm`'s.
+    - `seq_mean_token_sum`: each sequence's sum over its masked tokens, then the mean over all
+      B sequences.
     - `token_sum_norm`: sum over masked tokens / (B * `norm_length`), the Dr. GRPO constant
       normaliser (Liu et al. 2025, https://arxiv.org/abs/2503.20783; TRL
       `loss_type="dr_grpo"`). Unlike verl's `seq-mean-token-sum-norm` it divides by B too.
@@ -65,7 +68,7 @@ def masked_aggregate(
     per_seq = v.sum(dim=-1)  # [B]
     if mode == "seq_mean_token_mean":
         per_seq = per_seq / counts.clamp(min=1)
-    return per_seq.sum() / (counts > 0).sum().clamp(min=1)
+    return per_seq.sum() / max(values.shape[0], 1)
 
 
 def importance_log_ratio(

@@ -20,12 +20,10 @@ def ref_aggregate(values, mask, mode, norm_length=None):
         return sum(tokens) / len(tokens) if tokens else 0.0
     if mode == "token_sum_norm":
         return sum(tokens) / (len(values) * norm_length)
-    nonempty = [row for row in rows if row]
-    if not nonempty:
-        return 0.0
+    # a row without a masked token counts as 0 over all the rows (TRL's `grpo` / `sapo`)
     if mode == "seq_mean_token_mean":
-        return sum(sum(row) / len(row) for row in nonempty) / len(nonempty)
-    return sum(sum(row) for row in nonempty) / len(nonempty)
+        return sum(sum(row) / len(row) for row in rows if row) / len(rows)
+    return sum(sum(row) for row in rows) / len(rows)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -57,6 +55,19 @@ def test_seq_modes_hand_example():
     assert masked_aggregate(values, mask, "seq_mean_token_mean").item() == 3.5
     assert masked_aggregate(values, mask, "seq_mean_token_sum").item() == 5.5
     assert masked_aggregate(values, mask, "token_mean").item() == 2.75
+
+
+def test_a_row_masked_out_whole_counts_in_the_sequence_mean_as_trls_grpo_loss():
+    """A third row with no masked token (a truncated completion, masked): the per-sequence
+    means 2, 5 and 0 over three rows, 7 / 3, not 3.5 over the two non-empty ones; TRL 1.16's
+    `loss_type="grpo"` reduction, `((l * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()`."""
+    values = torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    m = mask.double()
+    trl_grpo = ((values * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    got = masked_aggregate(values, mask, "seq_mean_token_mean")
+    assert got.item() == pytest.approx(7 / 3, abs=1e-15) == trl_grpo.item()
+    assert masked_aggregate(values, mask, "seq_mean_token_sum").item() == pytest.approx(11 / 3)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -58,7 +58,9 @@ def test_sft_min_reward_and_the_modules_aggregation():
     batch, ctx, lp = _batch_and_ctx("seq_mean_token_mean")
     out = SFTHead(min_reward=0.0).compute(batch, ctx)  # rows 0, 1, 2 (row 3 has no reward)
     rows = {0: (2, 5), 1: (1, 6), 2: (3, 4)}
-    ref = sum(-float(lp.detach()[b, s:e].mean()) for b, (s, e) in rows.items()) / len(rows)
+    # the mean over all 4 rows: row 3, not imitated, counts as a row without a token (TRL's
+    # `grpo` reduction, `functional.masked_aggregate`)
+    ref = sum(-float(lp.detach()[b, s:e].mean()) for b, (s, e) in rows.items()) / 4
     assert abs(float(out.loss) - ref) < 1e-12
     nobody = SFTHead(min_reward=2.0).compute(batch, ctx)
     assert float(nobody.loss) == 0.0 and nobody.loss.requires_grad  # still on the graph
