@@ -4,10 +4,13 @@ sampled (`rollout.hinted_replies`; Snell et al. 2022, https://arxiv.org/abs/2209
 OPD and SDPO read the hinted teacher at the student's own tokens; this head reads the tokens
 the hinted teacher wrote. It is the negative log-likelihood of each hinted reply under the
 student's context (the turn as the student saw it), reduced with the module's aggregation over
-the replies' tokens, exactly as `SFTHead` reduces the batch's own rows: with `min_reward` only
-the replies the verifier accepts (rejection sampling), with `min_reward: null` every reply
-(plain context distillation, and the only choice for a tool call, which has no outcome of its
-own). A minibatch imitates the replies of its own groups, so minibatches sum to one step.
+the replies' tokens, exactly as `SFTHead` reduces the batch's own rows: the rows are all the
+hinted replies of the minibatch's groups, and those it does not imitate count as rows without
+a token (with `token_sum_norm`, 1 accepted reply of 8 weighs 1/8 of 8 of 8, as SFT on the same
+rows; never the head's whole weight on one lucky reply). With `min_reward` only the replies the
+verifier accepts are imitated (rejection sampling), with `min_reward: null` every reply (plain
+context distillation, and the only choice for a tool call, which has no outcome of its own). A
+minibatch imitates the replies of its own groups, so minibatches sum to one step.
 """
 
 from __future__ import annotations
@@ -62,10 +65,11 @@ class ContextDistillHead(Head):
                 f"{self.name} imitates replies sampled with the hint in context, and this batch "
                 "has none: set rollout.hinted_replies (and a rollout.hint)"
             )
-        take = torch.isin(rows.group_ids, batch.group_ids)  # this minibatch's groups
+        mine = torch.nonzero(torch.isin(rows.group_ids, batch.group_ids)).flatten()  # [N]
+        take = torch.ones_like(mine, dtype=torch.bool)
         if self.min_reward is not None:
-            take &= rows.has_reward & (rows.rewards >= self.min_reward)
-        idx = torch.nonzero(take).flatten()
+            take &= rows.has_reward[mine] & (rows.rewards[mine] >= self.min_reward)
+        idx = mine[take]
         if len(idx) == 0:
             # the policy forward is a collective under FSDP2: run it on every rank in every
             # step, on a placeholder (the batch's first row) that contributes exactly 0
@@ -75,16 +79,20 @@ class ContextDistillHead(Head):
             zero = (lp * resp).sum() * 0.0
             return HeadOutput(loss=zero, metrics={"imitated": 0.0, "tokens": 0.0, "nll": 0.0})
         width = int(rows.attention_mask[idx].sum(dim=1).max())
-        ids = rows.input_ids[idx, :width]
         mask = rows.response_mask[idx, :width]
-        lp = ctx.policy_token_logprobs(ids, rows.attention_mask[idx, :width], mask)
-        nll = -lp
+        lp = ctx.policy_token_logprobs(
+            rows.input_ids[idx, :width], rows.attention_mask[idx, :width], mask
+        )
+        # every reply of the minibatch's groups is a row; those not imitated have no token
+        nll = lp.new_zeros(len(mine), width).index_put((torch.nonzero(take).flatten(),), -lp)
+        every = torch.zeros_like(nll, dtype=torch.bool)
+        every[take] = mask
         n = mask.sum()
         return HeadOutput(
-            loss=ctx.aggregate(nll, mask),
+            loss=ctx.aggregate(nll, every),
             metrics={
                 "imitated": float(len(idx)),
                 "tokens": n.float(),
-                "nll": (nll.detach() * mask).sum() / n.clamp(min=1),
+                "nll": (-lp.detach() * mask).sum() / n.clamp(min=1),
             },
         )

@@ -92,28 +92,59 @@ def test_min_reward_none_imitates_every_reply_and_the_aggregation_is_the_modules
     assert float(out.metrics["imitated"]) == 3
 
 
-def test_it_equals_sft_on_a_batch_of_the_imitated_replies():
+def test_it_equals_sft_on_a_batch_of_the_hinted_replies():
     """The invariant: imitating the hinted replies is SFT on them, set after the student's
-    context, under every aggregation."""
-    for aggregation in ("token_mean", "seq_mean_token_sum", "token_sum_norm"):
+    context, under every aggregation: the rows are every hinted reply of the minibatch's
+    groups, and those not imitated (a wrong one, an unscored one) are rows SFT does not accept
+    either, which count as rows without a token."""
+    for aggregation in (
+        "token_mean",
+        "seq_mean_token_mean",
+        "seq_mean_token_sum",
+        "token_sum_norm",
+    ):
         head = ContextDistillHead()
         module = _module(head, aggregation)
         batch = _batch()
         out = head.compute(batch, context(module, batch))
         rows = batch.hinted
-        keep = torch.tensor([0, 2])
-        width = int(rows.attention_mask[keep].sum(1).max())
         sft_batch = RolloutBatch(
-            input_ids=rows.input_ids[keep, :width],
-            attention_mask=rows.attention_mask[keep, :width],
-            response_mask=rows.response_mask[keep, :width],
-            rewards=rows.rewards[keep],
-            has_reward=rows.has_reward[keep],
-            group_ids=rows.group_ids[keep],
+            input_ids=rows.input_ids,
+            attention_mask=rows.attention_mask,
+            response_mask=rows.response_mask,
+            rewards=rows.rewards,
+            has_reward=rows.has_reward,
+            group_ids=rows.group_ids,
             max_response_length=8,
         )
         sft = SFTHead().compute(sft_batch, context(module, sft_batch))
-        torch.testing.assert_close(out.loss, sft.loss, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.loss, sft.loss, rtol=0, atol=1e-12, msg=aggregation)
+
+
+@pytest.mark.parametrize("accepted", [1, 4, 8])
+def test_one_accepted_reply_of_eight_weighs_an_eighth_of_eight(accepted):
+    """8 hinted replies of one group, the same tokens, `accepted` of them right; with
+    `token_sum_norm` the loss is accepted / 8 of the loss with all 8 accepted (issue 50: it
+    was the whole loss whatever the count, where SFT on the same rows gives 1/8, 4/8, 8/8)."""
+    prompt, reply = [5, 6, 7], [11, 12, 13, 2]
+    seqs = [prompt + reply] * 8
+    hinted = RolloutBatch(
+        input_ids=torch.tensor(seqs),
+        attention_mask=torch.ones(8, 7, dtype=torch.long),
+        response_mask=torch.tensor([[False] * 3 + [True] * 4] * 8),
+        rewards=torch.tensor([1.0] * accepted + [0.0] * (8 - accepted)),
+        has_reward=torch.ones(8, dtype=torch.bool),
+        group_ids=torch.zeros(8, dtype=torch.long),
+        max_response_length=8,
+    )
+    batch = _batch(groups=1)
+    batch.hinted = hinted
+    head = ContextDistillHead()
+    module = _module(head, "token_sum_norm")
+    out = head.compute(batch, context(module, batch))
+    (ref,) = _reference(module.policy, [0])  # REPLIES[0] is the same prompt and reply
+    whole = -sum(ref) / 8  # one reply's token sum / (1 row × norm_length 8)
+    assert abs(float(out.loss.detach()) - whole * accepted / 8) < 1e-10
 
 
 def test_a_minibatch_imitates_the_replies_of_its_own_groups():
