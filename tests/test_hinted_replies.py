@@ -179,7 +179,7 @@ def _fit(heads, steps=2, **callback_kw):
     generate = engine.generate
 
     def counted(prompts, n, sampling):
-        calls.append((len(prompts), n, sampling.temperature))
+        calls.append((len(prompts), n, sampling.temperature, sampling.seed))
         return generate(prompts, n=n, sampling=sampling)
 
     engine.generate = counted  # type: ignore[method-assign]
@@ -204,11 +204,16 @@ def test_a_run_samples_hinted_replies_only_while_the_head_reads_them():
     heads = [DrGRPOHead(), ContextDistillHead(schedule=ramp)]
     trainer, calls = _fit(heads, steps=3, hinted_replies=HintedReplies(temperature=0.0))
     # each step: the group's rollouts (n = 2 at T 1.0), then while the head reads them, one
-    # greedy reply per hinted group (the tiny policy is wrong often enough: every group)
+    # greedy reply per hinted group (the tiny policy is wrong often enough: every group), and
+    # the hint check's greedy replies (a seed range of their own, 10**9 above)
     rollouts = [c for c in calls if c[1] == 2]
-    hinted = [c for c in calls if c[1] == 1]
+    hinted = [c for c in calls if c[1] == 1 and c[3] < 3 * 10**9]
+    checks = [c for c in calls if c[1] == 1 and c[3] >= 3 * 10**9]
     assert [c[2] for c in rollouts] == [1.0] * 3
     assert len(hinted) == 2 and all(c[2] == 0.0 and 1 <= c[0] <= 4 for c in hinted)
+    assert len(checks) == 2 and all(
+        c[2] == 0.0 and c[0] == 2 * h[0] for c, h in zip(checks, hinted, strict=True)
+    )
     m = trainer.callback_metrics
     assert float(m["dispatch/opd_rl"]) + float(m["dispatch/opd_only"]) == 0  # no teacher ran
 
@@ -230,3 +235,30 @@ def test_hinted_replies_and_their_head_come_together():
         RolloutCallback(engine, hinted_replies=HintedReplies())
     with pytest.raises(ValueError, match="hinted_replies with max_staleness=1"):
         RolloutCallback(engine, hint=_Hint(), max_staleness=1, hinted_replies=HintedReplies())
+
+
+def test_source_hint_imitates_the_hints_own_text_and_samples_nothing(tokenizer):
+    """`source: hint`: the reply is the hint's text (ended by EOS), scored as a reply: SFT on
+    the reference reply a hint states, the baseline of context distillation."""
+    problem = {"task": "arithmetic", "prompt": "3+4=", "answer": 7}
+    turns = [
+        HintedTurn(5, [1, 2, 3], [1, 2, 9, 9, 3], problem, "7"),
+        HintedTurn(6, [4, 4], [4, 9, 4], problem, "8"),
+    ]
+    engine = _Engine([])
+    rows, metrics, texts = sample_hinted(
+        turns,
+        engine,
+        SamplingConfig(max_tokens=4, seed=1),
+        HintedReplies(source="hint"),
+        VerifierScore(),
+        tokenizer,
+    )
+    assert engine.calls == []  # nothing sampled
+    assert texts == ["7", "8"] and rows.rewards.tolist() == [1.0, 0.0]
+    seven = tokenizer.encode("7", add_special_tokens=False) + [tokenizer.eos_token_id]
+    n0 = 3 + len(seven)
+    assert rows.input_ids[0, :n0].tolist() == [1, 2, 3, *seven]
+    assert rows.response_mask[0].tolist()[:n0] == [False] * 3 + [True] * len(seven)
+    with pytest.raises(ValueError, match="source must be 'sampled' or 'hint', got 'judge'"):
+        HintedReplies(source="judge")

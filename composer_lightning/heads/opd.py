@@ -26,8 +26,11 @@ class OPDHead(Head):
         weight, name, schedule: as every head's.
         gap_clip: clamp `teacher − old` to `[-gap_clip, gap_clip]` (OpenClaw-RL's top-k OPD uses
             1.0); None (default): the plain gap, as OpenClaw-RL's combine.
-        center: "sequence": subtract each reply's mean gap, so a hint that moves the whole
-            reply alike pushes none of it (`functional.opd_advantages`); None: the plain gap.
+        center: "sequence" (default): subtract each reply's mean gap, so a hint that moves the
+            whole reply alike pushes none of it (`functional.opd_advantages`): the plain gap
+            averages −KL(student ‖ teacher) < 0 on the student's own tokens, and uncentred it
+            pushes every sampled reply down (on SmolLM2 −0.17 to −0.27 a token, on every reply;
+            docs/benchmarks.md); None: the plain gap, as OpenClaw-RL's combine.
     """
 
     default_name = "opd"
@@ -38,7 +41,7 @@ class OPDHead(Head):
         self,
         weight: float = 1.0,
         gap_clip: float | None = None,
-        center: Literal["sequence"] | None = None,
+        center: Literal["sequence"] | None = "sequence",
         name: str | None = None,
         schedule: Schedule | None = None,
     ):

@@ -14,8 +14,8 @@ The canary compares the engine's weight fingerprint of the version that generate
 with the trainer's (`engines/fingerprint.py`), exactly.
 
 Why this file is long: `RolloutCallback` is the class a run configures as `rollout:`, and its
-twenty-two options are documented on it (≈ 60 lines, what `--help` shows); what it orchestrates
-lives in the modules named above.
+twenty-four options are documented on it (≈ 70 lines, what `--help` shows); what it
+orchestrates lives in the modules named above, the hint check among them (`hint_check.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.ahead import GenerationAhead
 from composer_lightning.rollout.checks import (
     check_engine_layout,
+    check_hint_trust,
     check_hinted_replies,
     check_inputs,
     check_settings,
@@ -51,6 +52,7 @@ from composer_lightning.rollout.generation import (
     sampling_seed,
     tensor_parallel_group,
 )
+from composer_lightning.rollout.hint_check import HintCheck, HintTrust, hint_line
 from composer_lightning.rollout.hinted import HintedReplies, HintedSampler
 from composer_lightning.rollout.providers import share_trainer_state
 from composer_lightning.rollout.validation import evaluate, validate_now
@@ -140,6 +142,17 @@ class RolloutCallback(L.Callback):
         hinted_replies: sample a reply from the hinted context of the first `per_group`
             hinted turns of each group (`rollout/hinted.py`), for a head that imitates them
             (`context_distill`); None: off. Needs `hint` and `max_staleness` 0.
+        hint_trust: where the teacher heads (OPD, top-k OPD, SDPO) read the hint.
+            "knows_better" (default): each step, for each group with a hint, the policy's
+            greedy reply from the hinted context (the teacher's) and from the student's own
+            are scored, and the group keeps its teacher context only where the teacher's
+            scores higher; elsewhere its samples are RL-only, so a hint that does not help
+            leaves the run as RL alone (`rollout/hint_check.py`). Logged as `hint/...` and said
+            in one line at step 0. "always": every hint is used (the check still runs and is
+            logged). Needs `max_staleness` 0 unless "always".
+        hint_placebo: give every hinted turn the hint of a different problem of the batch (a
+            seeded shuffle between groups): the control that shows a hint's gain comes from
+            what it says, not from the extra teacher signal.
     """
 
     def __init__(
@@ -166,6 +179,8 @@ class RolloutCallback(L.Callback):
         val_before_train: bool = False,
         truncation_penalty: float = 0.0,
         hinted_replies: HintedReplies | None = None,
+        hint_trust: HintTrust = "knows_better",
+        hint_placebo: bool = False,
     ):
         check_settings(
             group_size=group_size,
@@ -212,6 +227,8 @@ class RolloutCallback(L.Callback):
                 "runs the engine in a process of its own; use max_staleness 0"
             )
         self.hinted_replies = hinted_replies
+        self.hint_trust, self.hint_placebo = hint_trust, bool(hint_placebo)
+        self._first_hint_check: StepMetrics | None = None  # the step-0 line's figures
         self._fingerprints: dict[int, Fingerprint] = {}  # the trainer's, by version
         self._samples: list[dict[str, Any]] = []
         self._last_start: float | None = None
@@ -225,6 +242,7 @@ class RolloutCallback(L.Callback):
         its group)."""
         follow_the_sampling_temperature(pl_module, self.sampling)
         check_hinted_replies(pl_module, self.hinted_replies)
+        check_hint_trust(pl_module, self.hint_trust, self.hint, self.max_staleness)
         providers = {
             "rollout.score": self.score,
             "rollout.hint": self.hint,
@@ -406,7 +424,12 @@ class RolloutCallback(L.Callback):
             rollout = self._rollout(trainer, pl_module, batch, metrics)
         except Exception as exc:  # every rank raises it in this step (not one rank alone)
             error = exc
-        agree(error=error)  # a rank that failed stops every rank, here
+        first, self._first_hint_check = self._first_hint_check, None
+        # a rank that failed stops every rank, here; at step 0 the hint check's figures too
+        reduced = agree(first, error=error)
+        line = hint_line(reduced, self.hint_trust, self.hint_placebo) if first else None
+        if line and trainer.is_global_zero:
+            print(line, flush=True)
         every = self.samples_every_n_steps
         if every and trainer.global_step % every == 0:
             write_samples(trainer, trainer.global_step, self._samples)
@@ -433,7 +456,7 @@ class RolloutCallback(L.Callback):
         check_episode_room(where, self.episodes.max_episode_tokens)
         if self._context is not None:
             check_prompt_lengths(where, sampling.max_tokens, self._context)
-        hinted = None
+        hinted = check = None
         if self._ahead.engine is not None and self.episodes.max_turns > 1:
 
             def batch_of(i: int) -> tuple[list[dict[str, Any]], list[list[int]]]:
@@ -472,14 +495,18 @@ class RolloutCallback(L.Callback):
             def generate(prompts: list[list[int]], n: int, s: SamplingConfig) -> list:
                 return generate_in_group(self.engine, prompts, n, s, self._tp_group)
 
+            # a seed range of their own: as many seeds as the batch's (n = 1 per turn)
+            hinted_seed = sampling_seed(
+                self._base_seed + 2 * 10**9, step, rank, size, tp, turns, self.group_size
+            )
             if self.hinted_replies is not None and module_reads(pl_module, HINTED_REPLIES):
-                # a seed range of their own: as many seeds as the batch's (n = 1 per turn)
-                hinted_seed = sampling_seed(
-                    self._base_seed + 2 * 10**9, step, rank, size, tp, turns, self.group_size
-                )
                 hinted = HintedSampler(
                     self.hinted_replies, generate, replace(sampling, seed=hinted_seed), tp > 1
                 )
+            if self.hint is not None and module_reads(pl_module, TEACHER_SIGNALS | HINTED_REPLIES):
+                # greedy: the seed only names the call
+                greedy = replace(sampling, seed=hinted_seed + 10**9)
+                check = HintCheck(self.hint_trust, generate, greedy, tp > 1)
             episodes = self.episodes.run(
                 generate,
                 dm,
@@ -491,7 +518,7 @@ class RolloutCallback(L.Callback):
             gen_time = time.perf_counter() - start
             read = getattr(self.engine, "weight_fingerprint", None)
             engine_print = read() if callable(read) else None
-            if hinted is None:  # else after the hinted replies
+            if hinted is None and check is None:  # else after the hinted replies, the check
                 self.engine.sleep()  # frees the device for the update (CUDA sleep mode)
             version = self.engine.weight_version
             if version != pl_module.policy_version:
@@ -518,9 +545,13 @@ class RolloutCallback(L.Callback):
             self.truncation_penalty,
             teacher=teacher,
             hinted=hinted,
+            check=check,
+            placebo_seed=self._base_seed + 3 * 10**9 + step if self.hint_placebo else None,
         )
-        if hinted is not None:
+        if hinted is not None or check is not None:
             self.engine.sleep()
+        if check is not None and trainer.global_step == 0:
+            self._first_hint_check = built  # reduced over ranks, said in one line
         rollout.policy_version = version
         rollout.engine_dtype = getattr(self.engine, "dtype", None)  # the canary's threshold
         rollout.sampler_shaped = sampling.shaped  # the engine's log-probs: a behaviour policy's

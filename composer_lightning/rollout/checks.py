@@ -17,7 +17,8 @@ import lightning as L
 
 from composer_lightning.chat import HINT_ROLES
 from composer_lightning.engines.base import RolloutEngine, SamplingConfig
-from composer_lightning.heads.base import HINTED_REPLIES
+from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
+from composer_lightning.rollout.hint_check import HINT_TRUST
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.inputs import (
     check_episode_room,
@@ -59,6 +60,24 @@ def check_hinted_replies(pl_module: L.LightningModule, hinted_replies: Any) -> N
         raise ConfigError(
             "rollout.hinted_replies is set, and no head with a non-zero weight imitates the "
             "replies: add a context_distill head, or drop rollout.hinted_replies"
+        )
+
+
+def check_hint_trust(
+    pl_module: L.LightningModule, trust: str, hint: Any, max_staleness: int
+) -> None:
+    """`hint_trust: knows_better` checks each hint with the trainer's own engine, which
+    generation ahead moves to another process: one line, before the engine starts."""
+    if trust not in HINT_TRUST:
+        raise ConfigError(f"rollout.hint_trust must be one of {HINT_TRUST}, got {trust!r}")
+    objective = getattr(pl_module, "objective", None)
+    teacher = objective is None or objective.reads(TEACHER_SIGNALS)
+    if trust == "knows_better" and max_staleness and hint is not None and teacher:
+        raise ConfigError(
+            f"rollout.hint_trust: knows_better checks each hint with the trainer's engine "
+            f"(the hinted teacher's greedy reply against the student's), and max_staleness="
+            f"{max_staleness} runs the engine in a process of its own: set rollout.hint_trust: "
+            "always (every hint used unchecked) or max_staleness: 0"
         )
 
 

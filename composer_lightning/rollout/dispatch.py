@@ -21,6 +21,7 @@ from composer_lightning.chat import TraceSample, single_turn_teacher
 from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.episodes import Episode, Turn
+from composer_lightning.rollout.hint_check import HintCheck, placebo_hints
 from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import (
@@ -117,6 +118,8 @@ def build_rollout(
     truncation_penalty: float = 0.0,
     teacher: bool = True,
     hinted: HintedSampler | None = None,
+    check: HintCheck | None = None,
+    placebo_seed: int | None = None,
 ) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the turns of one prompt batch's episodes.
 
@@ -145,7 +148,9 @@ def build_rollout(
 
     The hints make the rows' teacher contexts only with `teacher` (a head reads a teacher);
     with `hinted`, the first hinted turns of each group also get a reply sampled from their
-    hinted context (`hinted.py`), as `RolloutBatch.hinted`.
+    hinted context (`hinted.py`), as `RolloutBatch.hinted`. With `placebo_seed` every hint is
+    first replaced by another problem's (`hint_check.placebo_hints`); with `check`, a teacher
+    context is made only in the groups whose hinted teacher knows better (`hint_check.py`).
 
     Returns:
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
@@ -224,7 +229,20 @@ def build_rollout(
         if hint is not None
         else ([None] * len(turns), 0)
     )
+    groups = [int(batch["index"]) * len(prompts) + live[e][0] for e, _ in turns]
+    if placebo_seed is not None:  # every hint is another problem's
+        hints = placebo_hints(hints, groups, placebo_seed)
     row_hints = hints if teacher else [None] * len(turns)  # else they only seed hinted replies
+    check_metrics = StepMetrics()
+    if check is not None:
+        episodes_of = [(live[e][1], t) for e, t in turns]
+        trusted, check_metrics = check.trusted_groups(
+            tokenizer, episodes_of, groups, hints, hint_role, score
+        )
+        if trusted is not None and teacher:  # no teacher where it does not know better
+            row_hints = [
+                h if g in trusted else None for h, g in zip(row_hints, groups, strict=True)
+            ]
     keep, counts = dispatch(
         [r is not None for r in row_rewards], [h is not None for h in row_hints]
     )
@@ -283,7 +301,6 @@ def build_rollout(
     hinted_metrics = StepMetrics()
     shown: dict[int, dict[str, Any]] = {}  # each group's first hinted reply, for its sample row
     if hinted is not None:  # each turn's group id as its row's
-        groups = [int(batch["index"]) * P + live[e][0] for e, _ in turns]
         episodes_of = [(live[e][1], t) for e, t in turns]
         args = (tokenizer, episodes_of, groups, hints, hint_role, score)
         rollout.hinted, hinted_metrics, texts = hinted.from_turns(*args)
@@ -352,6 +369,7 @@ def build_rollout(
     for name, (value, weight) in logged.items():
         metrics.mean(name, value, weight=weight)
     metrics.include(hinted_metrics)
+    metrics.include(check_metrics)
     if any(len(ep.turns) > 1 or ep.tools for _, ep in flat):  # episodes of several turns
         E = float(len(flat))
         metrics.mean("episode/turns", sum(len(ep.turns) for _, ep in flat) / E, weight=E)

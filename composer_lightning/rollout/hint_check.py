@@ -1,0 +1,224 @@
+"""Does the hint help? Each step, the hinted teacher is checked against the student on the
+batch's own problems, and its signal is used only where it knows better.
+
+A teacher head (OPD, top-k OPD, SDPO) is only as good as the policy told the hint: on a model
+of SmolLM2's size a hint that does not carry the answer moves the hinted teacher toward "talking
+about a mistake" more than toward the answer, and OPD's gap on the student's own tokens then
+averages −KL(student ‖ teacher) < 0 on every reply (docs/benchmarks.md, "A real model"). Composed
+at weight 1, such a signal collapsed SmolLM2 where RL alone learnt. So by default
+(`rollout.hint_trust: knows_better`) the teacher is trusted only where it measurably knows
+better: for each group with a hint, the policy decodes one greedy reply from the hinted context
+(the teacher's) and one from the student's own context (the student's), both are scored by the
+score provider, and the group's samples keep their teacher context only when the teacher's
+reply scores higher (for a right/wrong verifier: the teacher is right, the student is not).
+Elsewhere the samples are RL-only (`has_teacher` false), so a hint that does not help leaves the
+run as Dr. GRPO alone would be. A turn whose reply has no score of its own (a tool call) cannot
+be checked and is not trusted. `hint_trust: always` is the unchecked behaviour.
+
+The same check, logged every step (`hint/teacher_accuracy`, `hint/student_accuracy`,
+`hint/knows_better`, `hint/gated_fraction`), says at step 0 in one line whether the hint helps
+on this task, before an hour is spent.
+
+The placebo (`rollout.hint_placebo`) gives each hinted turn the hint of a different problem of
+the same batch: the control that shows a gain comes from what the hint says, not from the extra
+teacher signal (`placebo_hints`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from operator import itemgetter
+from typing import Any, Literal
+
+from composer_lightning.engines.base import Completion, SamplingConfig
+from composer_lightning.rollout.hinted import HintedTurn, episode_turn, first_per_group
+from composer_lightning.rollout.providers import (
+    provider_components,
+    provider_logs,
+    provider_values,
+)
+from composer_lightning.runtime.calls import hint_candidates
+from composer_lightning.runtime.distributed import StepMetrics
+from composer_lightning.tasks.base import ScoreProvider
+
+#: `rollout.hint_trust`: where a teacher head reads the hint.
+HintTrust = Literal["knows_better", "always"]
+HINT_TRUST: tuple[str, ...] = ("knows_better", "always")
+
+
+def placebo_hints(hints: list[Any], groups: list[int], seed: int) -> list[Any]:
+    """Each turn's hint replaced by the hint of another group (another problem of the batch).
+
+    The groups that have a hint are put in a seeded random order and each takes the hints of
+    the next one (a cycle, so no group keeps its own); a group's k-th hinted turn takes the
+    donor's k-th hint (cycling through the donor's). Turns without a hint keep None; with
+    fewer than two hinted groups no other problem exists and every hint is dropped.
+
+    Args:
+        hints: one entry per turn: a hint, a list of candidate hints, or None.
+        groups: each turn's group id.
+        seed: the shuffle's seed (the rollout's, per step).
+    """
+    by_group: dict[int, list[Any]] = {}
+    for hint, g in zip(hints, groups, strict=True):
+        if hint_candidates(hint):
+            by_group.setdefault(g, []).append(hint)
+    order = list(by_group)
+    if len(order) < 2:
+        return [None] * len(hints)
+    random.Random(seed).shuffle(order)
+    donor = {g: order[(i + 1) % len(order)] for i, g in enumerate(order)}
+    taken: dict[int, int] = {}
+    out = []
+    for hint, g in zip(hints, groups, strict=True):
+        if not hint_candidates(hint):
+            out.append(None)
+            continue
+        given = by_group[donor[g]]
+        k = taken.get(g, 0)
+        taken[g] = k + 1
+        out.append(given[k % len(given)])
+    return out
+
+
+@dataclass
+class HintCheck:
+    """How one rollout batch checks its hints: the trust rule, the rollout's `generate` and
+    its sampling settings with this batch's seed for the check.
+
+    Attributes:
+        trust: "knows_better": teacher contexts only in the groups where the hinted teacher's
+            greedy reply scores higher than the student's; "always": every hint is used (the
+            check still runs and is logged).
+        generate: the rollout's `(prompts, n, sampling) -> completions`.
+        sampling: the rollout's sampling settings (max_tokens, stops); decoding is greedy.
+        collective: call `generate` even without prompts (a tensor-parallel engine's ranks
+            generate together).
+    """
+
+    trust: HintTrust
+    generate: Callable[[list[list[int]], int, SamplingConfig], list[list[Completion]]]
+    sampling: SamplingConfig
+    collective: bool = False
+
+    def trusted_groups(
+        self,
+        tokenizer: Any,
+        turns: list[tuple[Any, int]],
+        groups: list[int],
+        hints: list[Any],
+        hint_role: str,
+        score: ScoreProvider,
+    ) -> tuple[set[int] | None, StepMetrics]:
+        """The groups whose hints the teacher heads may read (None: all of them), and the
+        step's `hint/...` metrics.
+
+        Args:
+            turns: the batch's turns, `(episode, t)`; groups: each turn's group id; hints:
+                each turn's hint (or candidates, or None).
+        """
+        hinted = [
+            (group, episode, t, first[0])
+            for (episode, t), group, first in zip(
+                turns, groups, map(hint_candidates, hints), strict=True
+            )
+            if first
+        ]
+        checked = [
+            episode_turn(tokenizer, *turn, hint_role)
+            for turn in first_per_group(hinted, 1, group=itemgetter(0))
+        ]
+        start = time.perf_counter()
+        teacher, student = self._scores(tokenizer, checked, score)
+        pairs = [
+            (c.group, t, s)
+            for c, t, s in zip(checked, teacher, student, strict=True)
+            if t is not None and s is not None
+        ]
+        better = {g for g, t, s in pairs if t > s}
+        rows = [g for g, *_ in hinted]  # one entry per hinted turn
+        trusted = better if self.trust == "knows_better" else None
+        gated = sum(g not in better for g in rows) if trusted is not None else 0
+        metrics = StepMetrics()
+        n = float(len(pairs))
+        metrics.sum("hint/checked", n)
+        metrics.sum("hint/unchecked", float(len(checked)) - n)
+        metrics.sum("hint/knows_better", float(len(better)))
+        metrics.sum("hint/knows_worse", float(sum(t < s for _, t, s in pairs)))
+        metrics.mean("hint/teacher_accuracy", sum(t for _, t, _ in pairs) / max(n, 1.0), weight=n)
+        metrics.mean("hint/student_accuracy", sum(s for *_, s in pairs) / max(n, 1.0), weight=n)
+        metrics.mean("hint/gated_fraction", gated / max(len(rows), 1), weight=float(len(rows)))
+        metrics.max("hint/check_time", time.perf_counter() - start)
+        return trusted, metrics
+
+    def _scores(
+        self, tokenizer: Any, checked: list[HintedTurn], score: ScoreProvider
+    ) -> tuple[list[float | None], list[float | None]]:
+        """The scores of each checked turn's greedy reply from the hinted context and from
+        the student's own (None: unscored, a turn with a next state, or a failed call)."""
+        greedy = replace(self.sampling, temperature=0.0)
+        prompts = [c.teacher_prompt for c in checked] + [c.student_ids for c in checked]
+        outs = self.generate(prompts, 1, greedy) if prompts or self.collective else []
+        replies = [group[0] for group in outs]
+        scored = [k for k in range(len(prompts)) if checked[k % len(checked)].problem is not None]
+        texts = [
+            replies[k].text
+            if replies[k].text is not None
+            else tokenizer.decode(replies[k].token_ids, skip_special_tokens=True)
+            for k in scored
+        ]
+        values, _ = (
+            provider_values(
+                score,
+                "score",
+                [checked[k % len(checked)].problem for k in scored],  # type: ignore[misc]
+                texts,
+                [list(replies[k].token_ids) for k in scored],
+            )
+            if scored
+            else ([], 0)
+        )
+        # what the provider keeps of its last call is the student batch's: drop these
+        provider_components(score)
+        provider_logs(score)
+        by_prompt: dict[int, float | None] = dict(zip(scored, values, strict=True))
+        n = len(checked)
+        return [by_prompt.get(k) for k in range(n)], [by_prompt.get(n + k) for k in range(n)]
+
+
+def hint_line(reduced: dict[str, float], trust: str, placebo: bool) -> str | None:
+    """The step-0 line that says whether the hint helps the teacher on this task, from the
+    check's metrics reduced over ranks; None when nothing was checked."""
+    checked = int(reduced.get("hint/checked", 0))
+    unchecked = int(reduced.get("hint/unchecked", 0))
+    what = "hints of other problems (placebo)" if placebo else "the hint"
+    if not checked:
+        if not unchecked:
+            return None
+        return (
+            f"hint check: {unchecked} hinted turn(s) have no score of their own (tool calls), so "
+            f"whether {what} helps cannot be checked; "
+            + (
+                "their teacher signal is off (rollout.hint_trust: always uses it unchecked)"
+                if trust == "knows_better"
+                else "rollout.hint_trust: always uses it unchecked"
+            )
+        )
+    teacher, student = reduced["hint/teacher_accuracy"], reduced["hint/student_accuracy"]
+    better = int(reduced.get("hint/knows_better", 0))
+    worse = int(reduced.get("hint/knows_worse", 0))
+    verdict = "helps" if better > worse else "does NOT help"
+    line = (
+        f"hint check, first batch: told {what}, the policy's greedy reply scores "
+        f"{teacher:.3f} on {checked} problems with a hint, {student:.3f} without it (better on "
+        f"{better}, worse on {worse}): {what} {verdict} the teacher on this task; "
+    )
+    if trust == "knows_better":
+        return line + (
+            f"teacher signals act on the {better} problem(s) where the hinted teacher knows "
+            "better (rollout.hint_trust: always uses every hint)"
+        )
+    return line + "every hint is used (rollout.hint_trust: always)"

@@ -1,0 +1,195 @@
+"""The hint check (`rollout/hint_check.py`): the teacher heads read a hint only in the groups
+whose hinted teacher knows better; the step-0 line says whether the hint helps; the placebo
+gives every hinted turn another problem's hint."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from composer_lightning.chat import single_turn_teacher, tokenize_prompt
+from composer_lightning.engines.base import SamplingConfig
+from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.rollout.dispatch import build_rollout
+from composer_lightning.rollout.episodes import one_turn_episodes
+from composer_lightning.rollout.hint_check import HintCheck, hint_line, placebo_hints
+from composer_lightning.tasks import VerifierScore
+from tests.test_hinted_replies import _Engine, _Hint, _reply
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(tiny_policy_path())
+
+
+# ---------------------------------------------------------------- the placebo
+def test_placebo_gives_every_hinted_turn_a_hint_of_another_group():
+    hints = ["a0", None, "a1", "b0", "c0", None, "c1", ["d0", "d0'"]]
+    groups = [0, 0, 0, 1, 2, 2, 2, 3]
+    out = placebo_hints(hints, groups, seed=7)
+    assert [h is None for h in out] == [h is None for h in hints]  # who has a hint, kept
+    own = {0: {"a0", "a1"}, 1: {"b0"}, 2: {"c0", "c1"}, 3: {"d0"}}
+    donors = {}
+    for h, g in zip(out, groups, strict=True):
+        if h is None:
+            continue
+        first = h[0] if isinstance(h, list) else h
+        (donor,) = [d for d, given in own.items() if first in given]
+        assert donor != g  # never its own problem's hint
+        donors.setdefault(g, set()).add(donor)
+    assert all(len(d) == 1 for d in donors.values())  # one donor per group
+    assert sorted(d for (d,) in donors.values()) == [0, 1, 2, 3]  # a permutation: a cycle
+    assert out[0] != out[2] or len(own[next(iter(donors[0]))]) == 1  # the donor's k-th hint
+    assert placebo_hints(hints, groups, seed=7) == out  # seeded
+    assert any(placebo_hints(hints, groups, seed=s) != out for s in range(8))
+
+
+def test_placebo_with_one_hinted_group_has_no_other_problem():
+    assert placebo_hints(["a", None, "b"], [4, 4, 4], seed=0) == [None, None, None]
+
+
+# ---------------------------------------------------------------- the check
+PROBLEMS = [{"task": "arithmetic", "prompt": f"{a}+{b}=", "answer": a + b} for a, b in
+            [(1, 1), (2, 5), (3, 3), (4, 4)]]  # fmt: skip
+
+
+def _check(tokenizer, teacher_says, student_says, trust="knows_better"):
+    """A check of 4 groups whose first hinted turns are `PROBLEMS` (the last one a tool turn,
+    unscored); the scripted engine answers the 4 teacher prompts, then the 4 students'."""
+    replies = [_reply(tokenizer, t) for t in [*teacher_says, *student_says]]
+    engine = _Engine(replies)
+    check = HintCheck(trust, engine, SamplingConfig(temperature=0.7, max_tokens=4, seed=5))
+    return check, engine
+
+
+def test_a_group_keeps_its_teacher_only_where_the_hinted_teacher_knows_better(tokenizer):
+    """Group 0: teacher right, student wrong (trusted). Group 1: both right. Group 2: teacher
+    wrong, student right. Group 3: a tool turn, unscored (not trusted: it cannot be checked)."""
+    problems = PROBLEMS
+    batch = {
+        "index": 0,
+        "problems": problems,
+        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
+    }
+    outs = [[_reply(tokenizer, "9"), _reply(tokenizer, "9")] for _ in problems]  # all wrong
+    episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
+    for ep in episodes[3]:  # a turn with a next state has no score of its own
+        ep.turns[0].next_state = _NextState()
+    check, engine = _check(tokenizer, ["2", "7", "5", "x"], ["3", "7", "6", "x"])
+    rollout, metrics, _ = build_rollout(
+        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 2, 0, check=check
+    )
+    ((prompts, n, used),) = engine.calls
+    hints = [f"The answer is {p['answer']}." for p in problems]
+    teacher = [
+        single_turn_teacher(tokenizer, [{"role": "user", "content": p["prompt"]}], [], h, "user")
+        for p, h in zip(problems, hints, strict=True)
+    ]
+    assert prompts == [t.teacher_ids for t in teacher] + batch["prompt_ids"]
+    assert n == 1 and used.temperature == 0.0 and used.max_tokens == 4  # greedy, same length
+    # only group 0's rows read the teacher; the others are RL-only (they all have a reward)
+    assert rollout.has_teacher.tolist() == [True, True] + [False] * 6
+    local = metrics.local()
+    assert local["dispatch/opd_rl"] == 2 and local["dispatch/rl_only"] == 6
+    assert local["hint/checked"] == 3 and local["hint/unchecked"] == 1
+    assert local["hint/knows_better"] == 1 and local["hint/knows_worse"] == 1
+    assert local["hint/teacher_accuracy"] == pytest.approx(2 / 3)
+    assert local["hint/student_accuracy"] == pytest.approx(2 / 3)
+    assert local["hint/gated_fraction"] == pytest.approx(6 / 8)
+
+
+class _NextState:
+    messages = [{"role": "tool", "content": "ok"}]
+    tool_error = None
+
+
+def test_always_uses_every_hint_and_still_measures(tokenizer):
+    problems = PROBLEMS[:2]
+    batch = {
+        "index": 0,
+        "problems": problems,
+        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
+    }
+    outs = [[_reply(tokenizer, "9")] for _ in problems]
+    episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
+    check, _ = _check(tokenizer, ["5", "5"], ["2", "5"], trust="always")
+    rollout, metrics, _ = build_rollout(
+        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 1, 0, check=check
+    )
+    assert rollout.has_teacher.all()
+    local = metrics.local()
+    assert local["hint/gated_fraction"] == 0 and local["hint/knows_worse"] == 1
+
+
+def test_the_placebo_teacher_reads_another_problems_hint(tokenizer):
+    problems = PROBLEMS[:2]
+    batch = {
+        "index": 0,
+        "problems": problems,
+        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
+    }
+    outs = [[_reply(tokenizer, "9")] for _ in problems]
+    episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
+    rollout, _, rows = build_rollout(
+        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 1, 2, placebo_seed=0
+    )
+    swapped = [
+        single_turn_teacher(
+            tokenizer, [{"role": "user", "content": p["prompt"]}], outs[i][0].token_ids,
+            f"The answer is {problems[1 - i]['answer']}.", "user",
+        ).teacher_ids
+        for i, p in enumerate(problems)
+    ]  # fmt: skip
+    for i, ids in enumerate(swapped):
+        n = len(ids)
+        assert rollout.teacher_input_ids[i, :n].tolist() == ids
+    assert [r["hint"] for r in rows] == ["The answer is 7.", "The answer is 2."]
+
+
+def test_the_step_zero_line_says_whether_the_hint_helps():
+    helps = {
+        "hint/checked": 16.0,
+        "hint/knows_better": 9.0,
+        "hint/knows_worse": 1.0,
+        "hint/teacher_accuracy": 0.75,
+        "hint/student_accuracy": 0.25,
+    }
+    line = hint_line(helps, "knows_better", False)
+    assert "scores 0.750 on 16 problems with a hint, 0.250 without it" in line
+    assert "the hint helps the teacher" in line and "act on the 9 problem(s)" in line
+    useless = helps | {"hint/knows_better": 1.0, "hint/knows_worse": 2.0}
+    assert "the hint does NOT help" in hint_line(useless, "knows_better", False)
+    assert "placebo" in hint_line(useless, "always", True)
+    assert "every hint is used" in hint_line(useless, "always", False)
+    tools = {"hint/checked": 0.0, "hint/unchecked": 4.0}
+    assert "cannot be checked; their teacher signal is off" in hint_line(tools, "knows_better", 0)
+    assert hint_line({}, "knows_better", False) is None
+
+
+def test_a_run_says_at_step_zero_whether_the_hint_helps_and_logs_it(capsys):
+    from composer_lightning.heads.dr_grpo import DrGRPOHead
+    from composer_lightning.heads.opd import OPDHead
+    from tests.test_hinted_replies import _fit
+
+    trainer, calls = _fit([DrGRPOHead(), OPDHead()], steps=2)
+    out = capsys.readouterr().out
+    assert out.count("hint check, first batch: told the hint") == 1
+    m = trainer.callback_metrics
+    for name in ("hint/teacher_accuracy", "hint/student_accuracy", "hint/gated_fraction"):
+        assert name in m
+    checks = [c for c in calls if c[1] == 1]
+    assert len(checks) == 2 and all(c[2] == 0.0 for c in checks)  # greedy, every step
+    # a group the gate closed reads no teacher: its samples are RL-only
+    assert float(m["dispatch/opd_rl"]) <= float(m["hint/knows_better"]) * 2
+
+
+def test_the_check_needs_the_trainers_engine():
+    from composer_lightning.heads.dr_grpo import DrGRPOHead
+    from composer_lightning.heads.opd import OPDHead
+    from composer_lightning.runtime.errors import ConfigError
+    from tests.test_hinted_replies import _fit
+
+    with pytest.raises(ConfigError, match="set rollout.hint_trust: always"):
+        _fit([DrGRPOHead(), OPDHead()], steps=1, max_staleness=1)
+    with pytest.raises(ConfigError, match="hint_trust must be one of"):
+        _fit([DrGRPOHead(), OPDHead()], steps=1, hint_trust="sometimes")
