@@ -18,7 +18,10 @@ heads and the task changed. Variants (`VARIANTS`):
   it: it is another estimate of the same teacher advantage as OPD (the teacher given a chosen
   hint), and both in one objective would count the teacher twice; `all_topk` (top-k OPD in
   OPD's place) is there to ask for by name;
-- `combine_sdpo`: Dr. GRPO + OPD + SDPO (the tool config's heads).
+- `combine_sdpo`: Dr. GRPO + OPD + SDPO (the tool config's heads);
+- `<variant>_placebo` for each variant with a hint head (`combine_placebo`, …): the same heads
+  with every hint another problem's (`rollout.hint_placebo`), the control that shows a gain
+  comes from what the hint says and not from the extra teacher signal.
 Each head has one weight in every variant it is in (`WEIGHTS`, overridable with `--weights`),
 so variants differ only in which signals are present; other head arguments are the heads'
 defaults unless `HEAD_ARGS` or `--head-args HEAD.ARG=VALUE` (a YAML value) set them. A task may
@@ -106,6 +109,12 @@ VARIANTS = {
     "all": ["dr_grpo", "opd", "sdpo", "replay_dpo"],
     "all_topk": ["dr_grpo", "topk_opd", "sdpo", "replay_dpo"],
     "combine_sdpo": ["dr_grpo", "opd", "sdpo"],
+}
+# The placebo of each variant with a hint head: the same heads, every hint another problem's
+# (`rollout.hint_placebo`): what the variant gains beyond it is what its hints say.
+PLACEBO = "_placebo"
+VARIANTS |= {
+    f"{v}{PLACEBO}": h for v, h in VARIANTS.items() if set(h) & {"opd", "topk_opd", "sdpo"}
 }
 DEFAULT_VARIANTS = ["rl_only", "opd", "topk_opd", "combine", "grpo_sdpo", "all"]
 TOOL_VARIANTS = ["rl_only", "opd", "combine", "combine_sdpo"]
@@ -200,6 +209,8 @@ def run(task: str, variant: str, seed: int, steps: int, cfg: dict, out: str) -> 
     extra = list(TASKS[task].fit_args)
     if NEEDS_CANDIDATES & set(VARIANTS[variant]):
         extra.append(f"--rollout.hint.init_args.candidates={cfg['candidates']}")
+    if variant.endswith(PLACEBO):
+        extra.append("--rollout.hint_placebo=true")
     cmd = [
         sys.executable, "-m", "composer_lightning", "fit",
         "--config", str(ROOT / "configs" / TASKS[task].config),

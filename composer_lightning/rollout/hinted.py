@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from operator import attrgetter, itemgetter
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -54,10 +54,16 @@ class HintedReplies:
             hinted teacher's most likely reply); None: the rollout's own temperature. The
             replies are imitated, not weighted by their sampling probability, so any
             temperature is sound.
+        source: "sampled" (default): the hinted teacher writes each reply; "hint": the reply
+            IS the hint's text (ended by EOS), nothing sampled, scored as a reply is: where a
+            hint states a right reply ("A right reply: 40 + 13 = 53, so ANSWER: 53"),
+            `context_distill` on it is supervised training on that reference text, the
+            baseline context distillation has to beat.
     """
 
     per_group: int = 1
     temperature: float | None = None
+    source: Literal["sampled", "hint"] = "sampled"
 
     def __post_init__(self) -> None:
         if (
@@ -74,6 +80,10 @@ class HintedReplies:
                 f"hinted_replies.temperature must be >= 0 (0: greedy) or None (the "
                 f"rollout's), got {t!r}"
             )
+        if self.source not in ("sampled", "hint"):
+            raise ValueError(
+                f"hinted_replies.source must be 'sampled' or 'hint', got {self.source!r}"
+            )
 
 
 @dataclass
@@ -87,12 +97,14 @@ class HintedTurn:
             prompt.
         problem: what the score provider scores a reply with; None: unscored (a turn with a
             next state, or an episode whose outcome is the environment's).
+        hint: the hint placed in `teacher_prompt`.
     """
 
     group: int
     student_ids: list[int]
     teacher_prompt: list[int]
     problem: dict[str, Any] | None
+    hint: str = ""
 
 
 def episode_turn(
@@ -105,7 +117,7 @@ def episode_turn(
     final = t == len(episode.turns) - 1 and not turn.has_next_state
     teacher = single_turn_teacher(tokenizer, turn.context, [], hint, hint_role, episode.tools)
     problem = episode.problem if final and episode.reward is None else None
-    return HintedTurn(group, list(turn.context_ids), teacher.teacher_ids, problem)
+    return HintedTurn(group, list(turn.context_ids), teacher.teacher_ids, problem, hint)
 
 
 def first_per_group(
@@ -150,7 +162,18 @@ def sample_hinted(
         sampling = replace(sampling, temperature=settings.temperature)
     prompts = [t.teacher_prompt for t in turns]
     start = time.perf_counter()
-    outs = generate(prompts, 1, sampling) if prompts or collective else []
+    if settings.source == "hint":  # the hint's own text is the reply: nothing sampled
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        outs = [
+            [
+                Completion(
+                    tokenizer.encode(t.hint, add_special_tokens=False) + eos, [], "stop", t.hint
+                )
+            ]
+            for t in turns
+        ]
+    else:
+        outs = generate(prompts, 1, sampling) if prompts or collective else []
     gen_time = time.perf_counter() - start
     replies = [group[0] for group in outs]
     kept = [k for k, c in enumerate(replies) if c.finish_reason != "length"]
