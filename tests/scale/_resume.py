@@ -89,6 +89,8 @@ def main(kind: str, out: str, ckpt: str | None) -> None:
             hint=ToolErrorHint() if EPISODES else VerifierHint(),
             samples_every_n_steps=0,
             max_staleness=MAX_STALENESS,
+            # generated ahead, no engine of the trainer's checks the hints; tool errors cannot be
+            hint_trust="always" if MAX_STALENESS or EPISODES else "knows_better",
             **({"max_turns": 3, "max_episode_tokens": 192} if EPISODES else {}),
         ),
         record,
