@@ -27,7 +27,9 @@ from typing import Any
 
 import yaml
 
-#: TRL 1.16's defaults of the fields whose default differs from this library's.
+#: TRL 1.16's defaults (`GRPOConfig` and the `TrainingArguments` it inherits) of the fields read
+#: through `_Fields.take`: a field not given converts at this value, never at this library's
+#: default or torch's (`torch.optim.AdamW`'s weight_decay is 0.01, TRL's 0.0).
 TRL_DEFAULTS: dict[str, Any] = {
     "num_generations": 8,
     "max_completion_length": 512,
@@ -41,6 +43,10 @@ TRL_DEFAULTS: dict[str, Any] = {
     "gradient_accumulation_steps": 1,
     "max_grad_norm": 1.0,
     "seed": 42,
+    "weight_decay": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
 }
 
 #: TRL's `loss_type` → `model.aggregation`.
@@ -84,6 +90,20 @@ def _get(trl: dict[str, Any], key: str) -> Any:
     return trl[key] if trl.get(key) is not None else TRL_DEFAULTS.get(key)
 
 
+class _Fields:
+    """The TRL config being converted: `take` reads a field (TRL's default where it is not
+    given) and marks it carried; `notes` are the output's comment lines."""
+
+    def __init__(self, trl: dict[str, Any]):
+        self.trl = trl
+        self.used: set[str] = set()
+        self.notes: list[str] = []
+
+    def take(self, key: str) -> Any:
+        self.used.add(key)
+        return _get(self.trl, key)
+
+
 def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """This library's config of the TRL config `trl`, and the comment lines of what it does not
     carry.
@@ -96,13 +116,8 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise ValueError("a TRL GRPO config needs model_name_or_path")
     if not trl.get("dataset_name"):
         raise ValueError("a TRL GRPO config needs dataset_name (a hub id or a local file)")
-    used: set[str] = set()
-
-    def take(key: str) -> Any:
-        used.add(key)
-        return _get(trl, key)
-
-    notes: list[str] = []
+    fields = _Fields(trl)
+    take, used, notes = fields.take, fields.used, fields.notes
     G = int(take("num_generations"))
     micro = int(take("per_device_train_batch_size"))
     accumulation = int(take("gradient_accumulation_steps"))
@@ -164,21 +179,10 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             }
         )
     epsilon = float(take("epsilon"))
-    optimizer = {"lr": float(take("learning_rate"))}
-    for key, name in (("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
-        used.add(key)
-        if trl.get(key) is not None:
-            optimizer[name] = float(trl[key])
-    if trl.get("adam_beta1") is not None or trl.get("adam_beta2") is not None:
-        used.update({"adam_beta1", "adam_beta2"})
-        optimizer["betas"] = [
-            float(trl.get("adam_beta1", 0.9)),
-            float(trl.get("adam_beta2", 0.999)),
-        ]
     model: dict[str, Any] = {
         "policy": policy,
         "heads": heads,
-        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": optimizer},
+        "optimizer": _optimizer(fields),
         "aggregation": aggregation,
         "clip_low": epsilon,
         "clip_high": float(trl.get("epsilon_high") or epsilon),
@@ -320,6 +324,21 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "data": data,
     }  # fmt: skip
     return config, notes
+
+
+def _optimizer(fields: _Fields) -> dict[str, Any]:
+    """`model.optimizer`: AdamW (TRL's `adamw_torch_fused` is the same update) with every
+    argument written, so none falls back to torch's default where TRL's differs."""
+    betas = [float(fields.take("adam_beta1")), float(fields.take("adam_beta2"))]
+    return {
+        "class_path": "torch.optim.AdamW",
+        "init_args": {
+            "lr": float(fields.take("learning_rate")),
+            "weight_decay": float(fields.take("weight_decay")),
+            "eps": float(fields.take("adam_epsilon")),
+            "betas": betas,
+        },
+    }
 
 
 def _surrogate(

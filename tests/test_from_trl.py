@@ -16,7 +16,9 @@ ROW = re.compile(r"^\| `(?P<field>\w+)` \| (?P<here>[^|]+) \|", re.MULTILINE)
 
 
 def _rows() -> dict[str, str]:
-    rows = [(m["field"], m["here"].strip()) for m in ROW.finditer(PAGE.read_text())]
+    """The first table's rows (the page's later sections have tables of their own)."""
+    table = PAGE.read_text().split("\n## ")[0]
+    rows = [(m["field"], m["here"].strip()) for m in ROW.finditer(table)]
     fields = [f for f, _ in rows]
     assert len(fields) == len(set(fields)), "a field is named twice"
     return dict(rows)
@@ -160,7 +162,9 @@ def test_a_trl_config_converts_and_validates(tmp_path):
         "estimator": "k3",
         "placement": "loss",
     }
-    assert model["optimizer"]["init_args"] == {"lr": 1e-5}
+    assert model["optimizer"]["init_args"] == {
+        "lr": 1e-5, "weight_decay": 0.0, "eps": 1e-8, "betas": [0.9, 0.999],
+    }  # fmt: skip
     assert rollout["group_size"] == 4 and rollout["sampling"] == {
         "temperature": 0.9, "max_tokens": 16, "seed": 7, "top_k": 20, "min_p": 0.1,
         "repetition_penalty": 1.1, "generation_kwargs": {"no_repeat_ngram_size": 3},
@@ -215,3 +219,111 @@ def test_bad_trl_configs_are_one_line_naming_the_field(tmp_path, fields, message
     assert out.returncode == 2 and out.stdout == ""
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"composer_lightning from-trl: {trl}: ") and message in line
+
+
+#: A converted config's sections whose options are not named by a `class_path` beside them.
+OWNERS = {
+    "model": "composer_lightning.training.module.ComposerModule",
+    "rollout.init_args.sampling": "composer_lightning.engines.SamplingConfig",
+}
+
+
+def _class(path: str) -> type:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _effective(config: dict, path: str):
+    """The value a run of `config` uses at the dotted `path`: the config's own, else the default
+    of the class that takes it (e.g. `torch.optim.AdamW`'s weight_decay 0.01), tuples as lists."""
+    node, owner, where = config, None, []
+    for key in path.split("."):
+        if isinstance(node, dict) and "class_path" in node:
+            owner = node["class_path"]  # the class the `init_args` below it go to
+        if isinstance(node, list) or key in node:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+            where.append(key)
+            continue
+        cls = _class(owner if where[-1] == "init_args" else OWNERS[".".join(where)])
+        if dataclasses.is_dataclass(cls):
+            node = {f.name: f for f in dataclasses.fields(cls)}[key].default
+        else:
+            node = inspect.signature(cls.__init__).parameters[key].default
+        break
+    return list(node) if isinstance(node, tuple) else node
+
+
+#: TRL 1.16's default of each field of `GRPOConfig` (and the `TrainingArguments` it inherits) that
+#: changes how a run trains, and what a config that leaves it out converts to: (field, TRL's
+#: default after `__post_init__`, path in the converted config, the value a run uses there).
+#: Differences by design are not rows: dropout is always off here (TRL's `disable_dropout`
+#: False), and an unshaped vLLM sampler is checked by the canary, not importance-corrected.
+TRAINING_DEFAULTS = [
+    ("learning_rate", 1e-6, "model.optimizer.init_args.lr", 1e-6),
+    ("weight_decay", 0.0, "model.optimizer.init_args.weight_decay", 0.0),
+    ("adam_beta1", 0.9, "model.optimizer.init_args.betas", [0.9, 0.999]),
+    ("adam_beta2", 0.999, "model.optimizer.init_args.betas", [0.9, 0.999]),
+    ("adam_epsilon", 1e-8, "model.optimizer.init_args.eps", 1e-8),
+    ("max_grad_norm", 1.0, "model.max_grad_norm", 1.0),
+    ("per_device_train_batch_size", 8, "model.micro_batch_size", 8),
+    ("gradient_accumulation_steps", 1, "model.minibatches", 1),
+    ("num_generations", 8, "rollout.init_args.group_size", 8),
+    ("num_iterations", 1, "model.ppo_epochs", 1),
+    ("max_completion_length", 512, "rollout.init_args.sampling.max_tokens", 512),
+    ("temperature", 1.0, "rollout.init_args.sampling.temperature", 1.0),
+    ("top_p", 1.0, "rollout.init_args.sampling.top_p", 1.0),
+    ("top_k", 0, "rollout.init_args.sampling.top_k", None),
+    ("min_p", None, "rollout.init_args.sampling.min_p", 0.0),
+    ("repetition_penalty", 1.0, "rollout.init_args.sampling.repetition_penalty", 1.0),
+    ("beta", 0.0, "model.heads.1", "no KL head"),
+    ("epsilon", 0.2, "model.clip_low", 0.2),
+    ("epsilon_high", None, "model.clip_high", 0.2),
+    ("delta", None, "model.dual_clip", None),
+    ("loss_type", "dapo", "model.aggregation", "token_mean"),
+    ("scale_rewards", "group", "model.heads.0.init_args.scale_rewards", "group"),
+    ("multi_objective_aggregation", "sum_then_normalize", "model.heads.0.init_args.multi_objective_aggregation", "sum_then_normalize"),
+    ("importance_sampling_level", "token", "model.importance_sampling_level", "token"),
+    ("top_entropy_quantile", 1.0, "model.top_entropy_quantile", 1.0),
+    ("entropy_coef", 0.0, "model.entropy_coef", 0.0),
+    ("use_adaptive_entropy", False, "model.adaptive_entropy", None),
+    ("mask_truncated_completions", False, "rollout.init_args.mask_truncated_completions", False),
+    ("sync_ref_model", False, "model.ref_model_sync_steps", 0),
+    ("seed", 42, "seed_everything", 42),
+]  # fmt: skip
+
+#: The least a TRL config gives (`max_steps`: TRL counts epochs of a sized dataset instead).
+MINIMAL = {"model_name_or_path": "m", "dataset_name": "d", "max_steps": 100}
+
+
+def _converted(**fields):
+    from composer_lightning.from_trl import convert
+
+    return convert({**MINIMAL, **fields})[0]
+
+
+@pytest.mark.parametrize(("field", "default", "path", "value"), TRAINING_DEFAULTS)
+def test_a_field_left_out_trains_at_trls_default(field, default, path, value):
+    """Left out, each field converts to the option that trains as TRL's default does; written
+    out at that default, the conversion is the same."""
+    config = _converted()
+    if value == "no KL head":
+        assert [h["class_path"].rpartition(".")[2] for h in config["model"]["heads"]] == [
+            "DrGRPOHead"
+        ]
+    else:
+        assert _effective(config, path) == value, path
+    if default is not None:
+        assert _converted(**{field: default}) == config
+
+
+def test_the_table_holds_trls_own_defaults(tmp_path):
+    """Each row's default is TRL's, read from its dataclass (when `trl` is installed)."""
+    pytest.importorskip("trl", reason="trl not installed (pip install -e .[bench])")
+    from trl import GRPOConfig
+
+    trl = GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    for field, default, _, _ in TRAINING_DEFAULTS:
+        value = getattr(trl, field)
+        assert getattr(value, "value", value) == default, field
