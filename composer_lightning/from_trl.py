@@ -22,7 +22,9 @@ Why this file is long: it is the table of docs/from_trl.md as code, one place fo
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -47,6 +49,18 @@ TRL_DEFAULTS: dict[str, Any] = {
     "adam_beta1": 0.9,
     "adam_beta2": 0.999,
     "adam_epsilon": 1e-8,
+    "lr_scheduler_type": "linear",
+    "warmup_steps": 0,
+    "warmup_ratio": 0.0,
+    "max_steps": -1,
+}
+
+#: transformers' `lr_scheduler_type` → `WarmupDecayLR.decay`, for the schedules it has here.
+LR_DECAY = {
+    "linear": "linear",
+    "cosine": "cosine",
+    "cosine_with_min_lr": "cosine",
+    "constant_with_warmup": "constant",
 }
 
 #: TRL's `loss_type` → `model.aggregation`.
@@ -64,9 +78,6 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
 
 #: Fields with nothing to carry them here, and why (one comment line each).
 NOT_CARRIED = {
-    "lr_scheduler_type": "give model.lr_scheduler (a schedule factory)",
-    "warmup_ratio": "give model.lr_scheduler (a schedule factory)",
-    "warmup_steps": "give model.lr_scheduler (a schedule factory)",
     "num_train_epochs": "steps count rollout batches here: give max_steps",
     "vllm_mode": "colocate only: one in-process engine per rank (server mode: not yet)",
     "vllm_server_base_url": "server mode is not yet a training engine",
@@ -103,6 +114,14 @@ class _Fields:
         self.used.add(key)
         return _get(self.trl, key)
 
+    def skip(self, note: str) -> None:
+        """A comment line: a field not carried, and why."""
+        self.notes.append(f"not carried: {note}")
+
+    def say(self, note: str) -> None:
+        """A comment line: a choice the conversion made that a TRL user would not expect."""
+        self.notes.append(f"converted: {note}")
+
 
 def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """This library's config of the TRL config `trl`, and the comment lines of what it does not
@@ -117,7 +136,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if not trl.get("dataset_name"):
         raise ValueError("a TRL GRPO config needs dataset_name (a hub id or a local file)")
     fields = _Fields(trl)
-    take, used, notes = fields.take, fields.used, fields.notes
+    take, used, skip = fields.take, fields.used, fields.skip
     G = int(take("num_generations"))
     micro = int(take("per_device_train_batch_size"))
     accumulation = int(take("gradient_accumulation_steps"))
@@ -137,6 +156,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if trl.get("model_revision"):
         policy = f"{policy}@{trl['model_revision']}"
     seed = int(take("seed"))
+    max_steps = int(take("max_steps"))
     sampling = {
         "temperature": float(take("temperature")),
         "max_tokens": int(take("max_completion_length")),
@@ -154,7 +174,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise ValueError(f"loss_type {loss_type!r} is not TRL's; expected one of {TRL_LOSS_TYPES}")
     aggregation = AGGREGATION.get(loss_type)
     if aggregation is None:
-        notes.append(f"loss_type: {loss_type} — not yet here; converted as dapo (token_mean)")
+        skip(f"loss_type: {loss_type} — not yet here; converted as dapo (token_mean)")
         aggregation = "token_mean"
     used.add("multi_objective_aggregation")
     objectives = str(trl.get("multi_objective_aggregation") or "sum_then_normalize")
@@ -183,6 +203,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "policy": policy,
         "heads": heads,
         "optimizer": _optimizer(fields),
+        "lr_scheduler": _lr_scheduler(fields, max_steps),
         "aggregation": aggregation,
         "clip_low": epsilon,
         "clip_high": float(trl.get("epsilon_high") or epsilon),
@@ -194,7 +215,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "activation_checkpointing": bool(trl.get("gradient_checkpointing", False)),
     }
     used.update({"epsilon_high", "num_iterations", "entropy_coef", "gradient_checkpointing"})
-    model.update(_surrogate(trl, used, notes, loss_type, model["clip_high"]))
+    model.update(_surrogate(trl, used, skip, loss_type, model["clip_high"]))
     init_kwargs = dict(trl.get("model_init_kwargs") or {})
     for key, name in (("dtype", "dtype"), ("torch_dtype", "dtype"), ("attn_implementation",) * 2):
         if trl.get(key) not in (None, "auto"):
@@ -253,7 +274,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "init_args": score,
         }
     else:
-        notes.append("reward_funcs: none given — the data's task verifier scores (data.task)")
+        skip("reward_funcs: none given — the data's task verifier scores (data.task)")
     if trl.get("max_tool_calling_iterations"):
         rollout["max_turns"] = int(trl["max_tool_calling_iterations"]) + 1
     used.add("max_tool_calling_iterations")
@@ -283,17 +304,15 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     used.add("chat_template_kwargs")
     trainer: dict[str, Any] = {
         "accelerator": "cpu" if trl.get("use_cpu") else "auto",
-        "max_steps": int(trl.get("max_steps") or -1),
+        "max_steps": max_steps,
         "log_every_n_steps": int(trl.get("logging_steps") or 10),
         "precision": "bf16-mixed" if trl.get("bf16") else "32-true",
     }
-    used.update({"max_steps", "logging_steps", "bf16", "fp16"})
-    if not trl.get("max_steps") or int(trl["max_steps"]) < 0:
-        notes.append("max_steps: none given — the prompt stream has no end; give trainer.max_steps")
+    used.update({"logging_steps", "bf16", "fp16"})
+    if max_steps < 0:
+        skip("max_steps: none given — the prompt stream has no end; give trainer.max_steps")
     if trl.get("fp16"):
-        notes.append(
-            "fp16: true — converted as 32-true; give trainer.precision: 16-mixed to keep it"
-        )
+        skip("fp16: true — converted as 32-true; give trainer.precision: 16-mixed to keep it")
     if trl.get("output_dir"):
         trainer["default_root_dir"] = str(trl["output_dir"])
     used.add("output_dir")
@@ -314,7 +333,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if key in used or key in IGNORED:
             continue
         why = NOT_CARRIED.get(key, "not carried by this converter (docs/from_trl.md)")
-        notes.append(f"{key}: {value!r} — {why}")
+        skip(f"{key}: {value!r} — {why}")
     config = {
         "seed_everything": seed,
         "trainer": trainer,
@@ -323,7 +342,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                     "init_args": rollout},
         "data": data,
     }  # fmt: skip
-    return config, notes
+    return config, fields.notes
 
 
 def _optimizer(fields: _Fields) -> dict[str, Any]:
@@ -341,8 +360,54 @@ def _optimizer(fields: _Fields) -> dict[str, Any]:
     }
 
 
+def _lr_scheduler(fields: _Fields, max_steps: int) -> dict[str, Any] | None:
+    """`model.lr_scheduler` of TRL's `lr_scheduler_type`, `warmup_steps` (a share of the run below
+    1, as transformers reads it), `warmup_ratio` (transformers before 5) and `lr_scheduler_kwargs`;
+    None is a constant lr. Decay runs over `max_steps`, optimizer steps in both libraries.
+
+    Raises:
+        ValueError: warmup longer than `max_steps`.
+    """
+    kind = str(fields.take("lr_scheduler_type")).removeprefix("SchedulerType.").lower()
+    steps, ratio = float(fields.take("warmup_steps")), float(fields.take("warmup_ratio"))
+    options = dict(fields.take("lr_scheduler_kwargs") or {})
+    if kind == "constant":  # transformers' constant schedule has no warmup either
+        return None
+    if kind not in LR_DECAY:
+        fields.skip(
+            f"lr_scheduler_type: {kind} — not yet here (linear, cosine, "
+            "cosine_with_min_lr, constant_with_warmup, constant are): a constant lr; give "
+            "model.lr_scheduler"
+        )
+        return None
+    if max_steps < 1:
+        fields.skip(
+            f"lr_scheduler_type: {kind} — its decay runs over max_steps, and none is"
+            " given: a constant lr; give max_steps (or model.lr_scheduler)"
+        )
+        return None
+    # transformers: whole steps from 1 up, a share of the run below 1, else warmup_ratio's share
+    share = steps if 0 < steps < 1 else ratio
+    warmup = int(steps) if steps >= 1 else math.ceil(max_steps * share)
+    if warmup > max_steps:
+        raise ValueError(f"warmup_steps = {warmup} is longer than the run, max_steps = {max_steps}")
+    init_args: dict[str, Any] = {"total_steps": max_steps, "warmup_steps": warmup}
+    init_args["decay"] = LR_DECAY[kind]
+    if kind == "cosine_with_min_lr":
+        lr = float(fields.take("learning_rate"))
+        init_args["min_lr_rate"] = float(options.pop("min_lr_rate", options.pop("min_lr", 0) / lr))
+    if options:
+        fields.skip(f"lr_scheduler_kwargs: {options!r} — not yet here")
+    return {"class_path": "composer_lightning.training.lr_schedule.WarmupDecayLR",
+            "init_args": init_args}  # fmt: skip
+
+
 def _surrogate(
-    trl: dict[str, Any], used: set[str], notes: list[str], loss_type: str, clip_high: float
+    trl: dict[str, Any],
+    used: set[str],
+    skip: Callable[[str], None],
+    loss_type: str,
+    clip_high: float,
 ) -> dict[str, Any]:
     """The `model:` options of TRL's surrogate fields: CISPO and SAPO, GSPO's sequence ratio,
     `delta`, the token masks and the synced reference."""
@@ -380,7 +445,7 @@ def _surrogate(
         if delta > 1 + clip_high and loss_type not in LOSS_MODE:
             out["dual_clip"] = delta  # the same loss and gradient (functional.policy_loss)
         else:
-            notes.append(
+            skip(
                 f"delta: {delta} — carried as model.dual_clip only above 1 + epsilon_high = "
                 f"{1 + clip_high} with a clipped loss_type, where the two are the same"
             )
@@ -430,6 +495,6 @@ def main(argv: list[str]) -> int:
     lines = [
         f"# Converted from {path} (TRL GRPO config) by `python -m composer_lightning from-trl`."
     ]
-    lines += [f"# not carried: {note}" for note in notes]
+    lines += [f"# {note}" for note in notes]
     sys.stdout.write("\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False))
     return 0

@@ -267,6 +267,8 @@ TRAINING_DEFAULTS = [
     ("adam_beta2", 0.999, "model.optimizer.init_args.betas", [0.9, 0.999]),
     ("adam_epsilon", 1e-8, "model.optimizer.init_args.eps", 1e-8),
     ("max_grad_norm", 1.0, "model.max_grad_norm", 1.0),
+    ("lr_scheduler_type", "linear", "model.lr_scheduler", {"class_path": "composer_lightning.training.lr_schedule.WarmupDecayLR", "init_args": {"total_steps": 100, "warmup_steps": 0, "decay": "linear"}}),
+    ("warmup_steps", 0, "model.lr_scheduler.init_args.warmup_steps", 0),
     ("per_device_train_batch_size", 8, "model.micro_batch_size", 8),
     ("gradient_accumulation_steps", 1, "model.minibatches", 1),
     ("num_generations", 8, "rollout.init_args.group_size", 8),
@@ -327,3 +329,58 @@ def test_the_table_holds_trls_own_defaults(tmp_path):
     for field, default, _, _ in TRAINING_DEFAULTS:
         value = getattr(trl, field)
         assert getattr(value, "value", value) == default, field
+
+
+@pytest.mark.parametrize(
+    ("fields", "init_args", "note"),
+    [
+        ({"warmup_steps": 10}, {"total_steps": 100, "warmup_steps": 10, "decay": "linear"}, None),
+        ({"warmup_steps": 0.25}, {"total_steps": 100, "warmup_steps": 25, "decay": "linear"}, None),
+        ({"warmup_ratio": 0.015}, {"total_steps": 100, "warmup_steps": 2, "decay": "linear"}, None),
+        ({"warmup_ratio": 0.05, "warmup_steps": 3}, {"total_steps": 100, "warmup_steps": 3, "decay": "linear"}, None),
+        ({"lr_scheduler_type": "cosine", "warmup_steps": 2}, {"total_steps": 100, "warmup_steps": 2, "decay": "cosine"}, None),
+        ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}, {"total_steps": 100, "warmup_steps": 0, "decay": "cosine", "min_lr_rate": 0.1}, None),
+        ({"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 5}, {"total_steps": 100, "warmup_steps": 5, "decay": "constant"}, None),
+        ({"lr_scheduler_type": "constant", "warmup_steps": 5}, None, None),
+        ({"lr_scheduler_type": "polynomial"}, None, "not carried: lr_scheduler_type: polynomial — not yet here"),
+        ({"max_steps": None}, None, "not carried: lr_scheduler_type: linear — its decay runs over max_steps, and none is given"),
+    ],
+)  # fmt: skip
+def test_trls_lr_schedule_converts(fields, init_args, note):
+    """TRL's (transformers') schedule with its warmup as steps, as a share of the run (below 1)
+    or as the older `warmup_ratio`; one it cannot carry is a constant lr and a comment line."""
+    from composer_lightning.from_trl import convert
+
+    config, notes = convert({**MINIMAL, **fields})
+    sched = config["model"]["lr_scheduler"]
+    assert (sched and sched["init_args"]) == init_args
+    said = [n for n in notes if "lr_scheduler" in n]
+    if note is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith(note), said
+
+
+def test_the_converted_schedule_sets_trls_lr_at_every_step():
+    """TRL's default schedule (linear to 0 over max_steps) with a 3-step warmup, built from the
+    converted config, sets the lr transformers' Trainer sets at each of the 10 optimizer steps:
+    0, 1/3, 2/3 of 1e-6, then (10 − s) / 7 of it."""
+    import torch
+    from transformers import get_scheduler
+
+    config = _converted(max_steps=10, warmup_steps=3)
+    sched = config["model"]["lr_scheduler"]
+    lrs = {}
+    for who in ("converted", "transformers"):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-6)
+        if who == "converted":
+            schedule = _class(sched["class_path"])(opt, **sched["init_args"])
+        else:
+            schedule = get_scheduler("linear", opt, num_warmup_steps=3, num_training_steps=10)
+        lrs[who] = []
+        for _ in range(10):
+            lrs[who].append(opt.param_groups[0]["lr"])
+            opt.step()
+            schedule.step()
+    assert lrs["converted"] == pytest.approx(lrs["transformers"], rel=1e-12, abs=1e-20)
+    assert lrs["converted"][:4] == pytest.approx([0.0, 1e-6 / 3, 2e-6 / 3, 1e-6])
