@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -123,9 +124,14 @@ class _Fields:
         self.notes.append(f"converted: {note}")
 
 
-def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """This library's config of the TRL config `trl`, and the comment lines of what it does not
-    carry.
+def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str, Any], list[str]]:
+    """This library's `fit` config of the TRL GRPO config `trl`, and its comment lines: each
+    field it does not carry (`not carried: ...`) and each choice a TRL user would not expect
+    (`converted: ...`).
+
+    Args:
+        trl: the YAML `trl grpo --config` takes, as a dict.
+        host: where the run will train (bf16 on CPU depends on it); None: this machine.
 
     Raises:
         ValueError: no `model_name_or_path`, no `dataset_name`, or a batch that does not divide
@@ -302,33 +308,7 @@ def convert(trl: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if trl.get("chat_template_kwargs"):
         data["init_args"]["chat_template_kwargs"] = dict(trl["chat_template_kwargs"])
     used.add("chat_template_kwargs")
-    trainer: dict[str, Any] = {
-        "accelerator": "cpu" if trl.get("use_cpu") else "auto",
-        "max_steps": max_steps,
-        "log_every_n_steps": int(trl.get("logging_steps") or 10),
-        "precision": "bf16-mixed" if trl.get("bf16") else "32-true",
-    }
-    used.update({"logging_steps", "bf16", "fp16"})
-    if max_steps < 0:
-        skip("max_steps: none given — the prompt stream has no end; give trainer.max_steps")
-    if trl.get("fp16"):
-        skip("fp16: true — converted as 32-true; give trainer.precision: 16-mixed to keep it")
-    if trl.get("output_dir"):
-        trainer["default_root_dir"] = str(trl["output_dir"])
-    used.add("output_dir")
-    if trl.get("save_steps"):
-        trainer["callbacks"] = [
-            {
-                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                "init_args": {"every_n_train_steps": int(trl["save_steps"]), "save_last": True},
-            }
-        ]
-    used.add("save_steps")
-    if trl.get("eval_steps"):
-        trainer["val_check_interval"] = int(trl["eval_steps"])
-    else:
-        trainer["limit_val_batches"] = 0
-    used.add("eval_steps")
+    trainer = _trainer(fields, max_steps, host)
     for key, value in trl.items():
         if key in used or key in IGNORED:
             continue
@@ -358,6 +338,92 @@ def _optimizer(fields: _Fields) -> dict[str, Any]:
             "betas": betas,
         },
     }
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a converted run trains, as far as its precision goes.
+
+    Attributes:
+        gpu: Lightning's `accelerator: auto` finds a GPU.
+        cpu_bf16: the CPU has bf16 units (AVX512-BF16 or AMX); without them bf16 autocast is
+            emulated, several times slower than fp32 (7.8× measured on an AVX2 CPU).
+    """
+
+    gpu: bool
+    cpu_bf16: bool
+
+    @classmethod
+    def this_machine(cls) -> Host:
+        """The machine converting, taken as the one that will train (the notes say so)."""
+        import torch  # here, not at the top: only a bf16 decision needs it
+
+        bf16 = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return cls(
+            gpu=torch.cuda.is_available(),
+            cpu_bf16=any(getattr(torch.cpu, name, lambda: False)() for name in bf16),
+        )
+
+
+def _trainer(fields: _Fields, max_steps: int, host: Host | None) -> dict[str, Any]:
+    """`trainer:` of TRL's step counts, precision, output directory, saves and evaluations."""
+    trl = fields.trl
+    trainer: dict[str, Any] = {
+        "accelerator": "cpu" if trl.get("use_cpu") else "auto",
+        "max_steps": max_steps,
+        "log_every_n_steps": int(trl.get("logging_steps") or 10),
+        "precision": _precision(fields, host),
+    }
+    fields.used.update({"logging_steps", "output_dir", "save_steps", "eval_steps"})
+    if max_steps < 0:
+        fields.skip("max_steps: none given — the prompt stream has no end; give trainer.max_steps")
+    if trl.get("output_dir"):
+        trainer["default_root_dir"] = str(trl["output_dir"])
+    if trl.get("save_steps"):
+        trainer["callbacks"] = [
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"every_n_train_steps": int(trl["save_steps"]), "save_last": True},
+            }
+        ]
+    if trl.get("eval_steps"):
+        trainer["val_check_interval"] = int(trl["eval_steps"])
+    else:
+        trainer["limit_val_batches"] = 0
+    return trainer
+
+
+def _precision(fields: _Fields, host: Host | None) -> str:
+    """`trainer.precision` of TRL's `bf16` (true unless `fp16`, even on CPU) and `fp16`; on CPU
+    bf16 stays where the CPU has bf16 units or the config asks for it, and the notes say which.
+    """
+    asked = fields.take("bf16")
+    if fields.take("fp16"):
+        fields.skip(
+            "fp16: true — converted as 32-true; give trainer.precision: 16-mixed to keep it"
+        )
+        return "32-true"
+    if asked is False:
+        return "32-true"
+    host = host or Host.this_machine()
+    if host.gpu and not fields.trl.get("use_cpu"):
+        return "bf16-mixed"
+    bf16 = "bf16: true" if asked else "bf16: true (TRL's default)"
+    where = "use_cpu: true" if fields.trl.get("use_cpu") else "no GPU on this machine"
+    if host.cpu_bf16:
+        fields.say(f"{bf16} — trains on CPU ({where}) with bf16 units: bf16-mixed")
+        return "bf16-mixed"
+    if asked:
+        fields.say(
+            f"{bf16} — trains on CPU ({where}) without bf16 units (AVX512-BF16 or AMX): "
+            "bf16-mixed as asked, though emulated there it runs several times slower than 32-true"
+        )
+        return "bf16-mixed"
+    fields.say(
+        f"{bf16} — trains on CPU ({where}) without bf16 units (AVX512-BF16 or AMX), where bf16 "
+        "is emulated and several times slower: 32-true; give bf16: true to keep TRL's bf16-mixed"
+    )
+    return "32-true"
 
 
 def _lr_scheduler(fields: _Fields, max_steps: int) -> dict[str, Any] | None:

@@ -267,6 +267,7 @@ TRAINING_DEFAULTS = [
     ("adam_beta2", 0.999, "model.optimizer.init_args.betas", [0.9, 0.999]),
     ("adam_epsilon", 1e-8, "model.optimizer.init_args.eps", 1e-8),
     ("max_grad_norm", 1.0, "model.max_grad_norm", 1.0),
+    ("bf16", True, "trainer.precision", "bf16-mixed"),
     ("lr_scheduler_type", "linear", "model.lr_scheduler", {"class_path": "composer_lightning.training.lr_schedule.WarmupDecayLR", "init_args": {"total_steps": 100, "warmup_steps": 0, "decay": "linear"}}),
     ("warmup_steps", 0, "model.lr_scheduler.init_args.warmup_steps", 0),
     ("per_device_train_batch_size", 8, "model.micro_batch_size", 8),
@@ -300,9 +301,10 @@ MINIMAL = {"model_name_or_path": "m", "dataset_name": "d", "max_steps": 100}
 
 
 def _converted(**fields):
-    from composer_lightning.from_trl import convert
+    """The conversion for a GPU machine, wherever the test runs."""
+    from composer_lightning.from_trl import Host, convert
 
-    return convert({**MINIMAL, **fields})[0]
+    return convert({**MINIMAL, **fields}, host=Host(gpu=True, cpu_bf16=False))[0]
 
 
 @pytest.mark.parametrize(("field", "default", "path", "value"), TRAINING_DEFAULTS)
@@ -384,3 +386,44 @@ def test_the_converted_schedule_sets_trls_lr_at_every_step():
             schedule.step()
     assert lrs["converted"] == pytest.approx(lrs["transformers"], rel=1e-12, abs=1e-20)
     assert lrs["converted"][:4] == pytest.approx([0.0, 1e-6 / 3, 2e-6 / 3, 1e-6])
+
+
+CPU_BF16_NOTE = "converted: bf16: true (TRL's default) — trains on CPU (no GPU on this machine) with bf16 units: bf16-mixed"
+
+
+@pytest.mark.parametrize(
+    ("fields", "gpu", "cpu_bf16", "precision", "note"),
+    [
+        ({}, True, False, "bf16-mixed", None),
+        ({}, False, True, "bf16-mixed", CPU_BF16_NOTE),
+        ({"use_cpu": True}, True, True, "bf16-mixed", "converted: bf16: true (TRL's default) — trains on CPU (use_cpu: true) with bf16 units"),
+        ({}, False, False, "32-true", "converted: bf16: true (TRL's default) — trains on CPU (no GPU on this machine) without bf16 units (AVX512-BF16 or AMX), where bf16 is emulated and several times slower: 32-true"),
+        ({"bf16": True}, False, False, "bf16-mixed", "converted: bf16: true — trains on CPU (no GPU on this machine) without bf16 units (AVX512-BF16 or AMX): bf16-mixed as asked"),
+        ({"bf16": False}, False, True, "32-true", None),
+        ({"fp16": True}, True, False, "32-true", "not carried: fp16: true — converted as 32-true"),
+    ],
+)  # fmt: skip
+def test_trls_bf16_default_converts_by_where_the_run_trains(fields, gpu, cpu_bf16, precision, note):
+    """TRL's `bf16` is true unless `fp16`, on CPU too: bf16-mixed on a GPU; on CPU, bf16-mixed
+    where the CPU has bf16 units or the config asks for it, else 32-true; on CPU the notes say
+    which and why."""
+    from composer_lightning.from_trl import Host, convert
+
+    config, notes = convert({**MINIMAL, **fields}, host=Host(gpu=gpu, cpu_bf16=cpu_bf16))
+    assert config["trainer"]["precision"] == precision
+    said = [n for n in notes if "bf16" in n or "fp16" in n]
+    assert said == [] if note is None else len(said) == 1 and said[0].startswith(note), said
+
+
+def test_this_machines_bf16_units_are_found():
+    """`Host.this_machine()` finds bf16 units where Linux lists them (AVX512-BF16, AMX)."""
+    from pathlib import Path
+
+    from composer_lightning.from_trl import Host
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split())
+    host = Host.this_machine()
+    assert host.cpu_bf16 == bool(flags & {"avx512_bf16", "amx_tile"})
