@@ -54,6 +54,20 @@ TRL_DEFAULTS: dict[str, Any] = {
     "warmup_steps": 0,
     "warmup_ratio": 0.0,
     "max_steps": -1,
+    "gradient_checkpointing": True,
+    "entropy_coef": 0.0,
+}
+
+#: transformers 5's names of fields and the older aliases read where the new name is not given.
+ALIASES = {"activation_checkpointing": "gradient_checkpointing"}
+
+#: How `model.aggregation` reduces the entropy bonus where it is not TRL's token mean (TRL takes
+#: the token mean whatever the `loss_type`; here the bonus is reduced like the loss).
+ENTROPY_REDUCTION = {
+    "token_sum_norm": "Σ H / (rows × max_completion_length): mean length / max_completion_length "
+    "of TRL's token mean",
+    "seq_mean_token_mean": "the mean of each response's token mean, where TRL's token mean weighs "
+    "long responses more",
 }
 
 #: transformers' `lr_scheduler_type` → `WarmupDecayLR.decay`, for the schedules it has here.
@@ -99,6 +113,8 @@ LOSS_MODE = {"cispo": "cispo", "sapo": "sapo"}
 
 
 def _get(trl: dict[str, Any], key: str) -> Any:
+    if trl.get(key) is None and key in ALIASES:
+        return _get(trl, ALIASES[key])
     return trl[key] if trl.get(key) is not None else TRL_DEFAULTS.get(key)
 
 
@@ -217,10 +233,12 @@ def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str,
         "minibatches": per_generation // accumulation,
         "micro_batch_size": micro,
         "max_grad_norm": take("max_grad_norm"),
-        "entropy_coef": float(trl.get("entropy_coef") or 0.0),
-        "activation_checkpointing": bool(trl.get("gradient_checkpointing", False)),
+        "entropy_coef": float(take("entropy_coef")),
+        "activation_checkpointing": bool(take("activation_checkpointing")),
     }
-    used.update({"epsilon_high", "num_iterations", "entropy_coef", "gradient_checkpointing"})
+    used.update({"epsilon_high", "num_iterations", "gradient_checkpointing"})
+    if model["entropy_coef"] or trl.get("use_adaptive_entropy"):
+        _entropy_note(fields, model["entropy_coef"], aggregation, loss_type)
     model.update(_surrogate(trl, used, skip, loss_type, model["clip_high"]))
     init_kwargs = dict(trl.get("model_init_kwargs") or {})
     for key, name in (("dtype", "dtype"), ("torch_dtype", "dtype"), ("attn_implementation",) * 2):
@@ -338,6 +356,16 @@ def _optimizer(fields: _Fields) -> dict[str, Any]:
             "betas": betas,
         },
     }
+
+
+def _entropy_note(fields: _Fields, coef: float, aggregation: str, loss_type: str) -> None:
+    """Say where the entropy bonus is reduced otherwise than TRL's token mean."""
+    if aggregation in ENTROPY_REDUCTION:
+        fields.say(
+            f"entropy_coef: {coef} — the bonus is reduced like the loss of loss_type {loss_type} "
+            f"(model.aggregation: {aggregation}), {ENTROPY_REDUCTION[aggregation]}: the same "
+            "coefficient pulls differently (exactly alike under dapo, bnpo, cispo)"
+        )
 
 
 @dataclass(frozen=True)

@@ -268,6 +268,8 @@ TRAINING_DEFAULTS = [
     ("adam_epsilon", 1e-8, "model.optimizer.init_args.eps", 1e-8),
     ("max_grad_norm", 1.0, "model.max_grad_norm", 1.0),
     ("bf16", True, "trainer.precision", "bf16-mixed"),
+    ("gradient_checkpointing", True, "model.activation_checkpointing", True),
+    ("activation_checkpointing", True, "model.activation_checkpointing", True),
     ("lr_scheduler_type", "linear", "model.lr_scheduler", {"class_path": "composer_lightning.training.lr_schedule.WarmupDecayLR", "init_args": {"total_steps": 100, "warmup_steps": 0, "decay": "linear"}}),
     ("warmup_steps", 0, "model.lr_scheduler.init_args.warmup_steps", 0),
     ("per_device_train_batch_size", 8, "model.micro_batch_size", 8),
@@ -427,3 +429,38 @@ def test_this_machines_bf16_units_are_found():
     flags = set(cpuinfo.read_text().split())
     host = Host.this_machine()
     assert host.cpu_bf16 == bool(flags & {"avx512_bf16", "amx_tile"})
+
+
+@pytest.mark.parametrize(
+    ("fields", "note"),
+    [
+        ({"loss_type": "dr_grpo", "entropy_coef": 0.01}, "converted: entropy_coef: 0.01 — the bonus is reduced like the loss of loss_type dr_grpo (model.aggregation: token_sum_norm), Σ H / (rows × max_completion_length)"),
+        ({"loss_type": "dr_grpo", "use_adaptive_entropy": True}, "converted: entropy_coef: 0.0 — the bonus is reduced like the loss of loss_type dr_grpo"),
+        ({"loss_type": "grpo", "entropy_coef": 0.01}, "converted: entropy_coef: 0.01 — the bonus is reduced like the loss of loss_type grpo (model.aggregation: seq_mean_token_mean)"),
+        ({"loss_type": "dapo", "entropy_coef": 0.01}, None),
+        ({"loss_type": "dr_grpo"}, None),
+    ],
+)  # fmt: skip
+def test_an_entropy_bonus_reduced_otherwise_than_trls_is_said(fields, note):
+    """TRL takes the entropy bonus's token mean whatever the loss_type; here it is reduced like
+    the loss (`model.aggregation`), so under dr_grpo or grpo a comment line says so."""
+    from composer_lightning.from_trl import Host, convert
+
+    _, notes = convert({**MINIMAL, **fields}, host=Host(gpu=True, cpu_bf16=False))
+    said = [n for n in notes if "entropy" in n]
+    assert said == [] if note is None else len(said) == 1 and said[0].startswith(note), said
+
+
+@pytest.mark.parametrize(
+    ("fields", "on"),
+    [
+        ({}, True),
+        ({"gradient_checkpointing": False}, False),
+        ({"activation_checkpointing": False}, False),
+        ({"activation_checkpointing": True, "gradient_checkpointing": False}, True),
+    ],
+)
+def test_gradient_checkpointing_is_on_unless_turned_off_by_either_name(fields, on):
+    """TRL's default is on; transformers 5 names it `activation_checkpointing`, which wins over
+    its older alias `gradient_checkpointing`."""
+    assert _converted(**fields)["model"]["activation_checkpointing"] is on
