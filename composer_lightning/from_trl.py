@@ -6,15 +6,18 @@ ones it inherits, and the script's (`model_name_or_path`, `dataset_name`, `rewar
 LoRA's `use_peft` / `lora_*`). Each field it carries becomes the option that does the same
 (the table in `docs/from_trl.md`); a field TRL leaves at its default is converted at TRL's
 default, so the run keeps TRL's behaviour (`loss_type: dapo`, `scale_rewards: group`,
-`epsilon_high` = `epsilon`, 8 generations, lr 1e-6) where this library's defaults differ. Each
-field it cannot carry is one comment line at the top of the output saying why.
+`epsilon_high` = `epsilon`, 8 generations, lr 1e-6 decaying linearly to 0, weight decay 0, bf16,
+gradient checkpointing) where this library's or torch's defaults differ. Each field it cannot
+carry is one comment line at the top of the output saying why (`# not carried: ...`), and so is
+each choice a TRL user would not expect (`# converted: ...`).
 
-Batch shape: TRL generates `per_device_train_batch_size × steps_per_generation` completions
-per rank and generation (`steps_per_generation` defaults to `gradient_accumulation_steps`) and
-makes one optimizer step per `gradient_accumulation_steps` micro-batches; here a rollout batch is
-`data.prompts_per_step × rollout.group_size` completions per rank, trained in
+Batch shape (`_batch_shape`): TRL generates `generation_batch_size` completions over all
+processes a generation (`per_device_train_batch_size × num_processes × steps_per_generation`)
+and makes one optimizer step per `gradient_accumulation_steps` micro-batches; here a rollout
+batch is `data.prompts_per_step × rollout.group_size` completions per rank, trained in
 `model.minibatches` optimizer steps of micro-batches of `model.micro_batch_size` rows, repeated
-`model.ppo_epochs` (TRL's `num_iterations`) times.
+`model.ppo_epochs` (TRL's `num_iterations`) times, on `trainer.devices` = the `num_processes`
+converted for.
 
 Why this file is long: it is the table of docs/from_trl.md as code, one place for each of the
 ≈ 90 fields a TRL config can hold, so that a field's conversion is found beside its neighbours.
@@ -22,6 +25,7 @@ Why this file is long: it is the table of docs/from_trl.md as code, one place fo
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from collections.abc import Callable
@@ -140,13 +144,17 @@ class _Fields:
         self.notes.append(f"converted: {note}")
 
 
-def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str, Any], list[str]]:
+def convert(
+    trl: dict[str, Any], *, num_processes: int = 1, host: Host | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """This library's `fit` config of the TRL GRPO config `trl`, and its comment lines: each
     field it does not carry (`not carried: ...`) and each choice a TRL user would not expect
     (`converted: ...`).
 
     Args:
         trl: the YAML `trl grpo --config` takes, as a dict.
+        num_processes: the processes the run trains on (TRL's world size): TRL's
+            `generation_batch_size` counts all of them, this library's options are per rank.
         host: where the run will train (bf16 on CPU depends on it); None: this machine.
 
     Raises:
@@ -159,21 +167,7 @@ def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str,
         raise ValueError("a TRL GRPO config needs dataset_name (a hub id or a local file)")
     fields = _Fields(trl)
     take, used, skip = fields.take, fields.used, fields.skip
-    G = int(take("num_generations"))
-    micro = int(take("per_device_train_batch_size"))
-    accumulation = int(take("gradient_accumulation_steps"))
-    per_generation = int(trl.get("steps_per_generation") or accumulation)
-    used.add("steps_per_generation")
-    completions = micro * per_generation
-    if trl.get("generation_batch_size"):
-        used.add("generation_batch_size")
-        completions = int(trl["generation_batch_size"])
-    if completions % G or per_generation % accumulation:
-        raise ValueError(
-            f"per_device_train_batch_size × steps_per_generation = {completions} completions must "
-            f"be whole groups of num_generations = {G}, and steps_per_generation = "
-            f"{per_generation} a multiple of gradient_accumulation_steps = {accumulation}"
-        )
+    shape = _batch_shape(fields, num_processes)
     policy = str(take("model_name_or_path"))
     if trl.get("model_revision"):
         policy = f"{policy}@{trl['model_revision']}"
@@ -230,8 +224,8 @@ def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str,
         "clip_low": epsilon,
         "clip_high": float(trl.get("epsilon_high") or epsilon),
         "ppo_epochs": int(trl.get("num_iterations") or 1),
-        "minibatches": per_generation // accumulation,
-        "micro_batch_size": micro,
+        "minibatches": shape.minibatches,
+        "micro_batch_size": shape.micro_batch_size,
         "max_grad_norm": take("max_grad_norm"),
         "entropy_coef": float(take("entropy_coef")),
         "activation_checkpointing": bool(take("activation_checkpointing")),
@@ -270,10 +264,10 @@ def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str,
             + ("VLLMEngine" if trl.get("use_vllm") else "HFEngine"),
             "init_args": {"seed": seed},
         },
-        "group_size": G,
+        "group_size": shape.group_size,
         "sampling": sampling,
         "mask_truncated_completions": bool(trl.get("mask_truncated_completions", False)),
-        "val_samples": int(trl.get("num_generations_eval") or G),
+        "val_samples": int(trl.get("num_generations_eval") or shape.group_size),
     }
     used.update({"use_vllm", "mask_truncated_completions", "num_generations_eval"})
     if trl.get("use_vllm"):
@@ -315,7 +309,7 @@ def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str,
             "dataset": str(trl["dataset_name"]),
             "dataset_config": trl.get("dataset_config"),
             "split": str(trl.get("dataset_train_split") or "train"),
-            "prompts_per_step": completions // G,
+            "prompts_per_step": shape.prompts_per_step,
             "seed": seed,
         },
     }
@@ -326,7 +320,7 @@ def convert(trl: dict[str, Any], *, host: Host | None = None) -> tuple[dict[str,
     if trl.get("chat_template_kwargs"):
         data["init_args"]["chat_template_kwargs"] = dict(trl["chat_template_kwargs"])
     used.add("chat_template_kwargs")
-    trainer = _trainer(fields, max_steps, host)
+    trainer = _trainer(fields, max_steps, host, num_processes)
     for key, value in trl.items():
         if key in used or key in IGNORED:
             continue
@@ -369,6 +363,87 @@ def _entropy_note(fields: _Fields, coef: float, aggregation: str, loss_type: str
 
 
 @dataclass(frozen=True)
+class BatchShape:
+    """TRL's batch fields as this library's options, per rank.
+
+    Attributes:
+        group_size: samples per prompt (`num_generations`).
+        micro_batch_size: rows per forward (`per_device_train_batch_size`).
+        minibatches: optimizer steps per rollout batch and pass (`steps_per_generation /
+            gradient_accumulation_steps`).
+        prompts_per_step: prompts per rollout batch and rank (`generation_batch_size /
+            (num_processes × num_generations)`).
+    """
+
+    group_size: int
+    micro_batch_size: int
+    minibatches: int
+    prompts_per_step: int
+
+
+def _batch_shape(fields: _Fields, num_processes: int) -> BatchShape:
+    """The per-rank batch shape of TRL's batch fields on `num_processes` processes.
+
+    TRL 1.16 (`GRPOConfig.__post_init__`): a generation is `generation_batch_size` completions
+    over all processes, `per_device_train_batch_size × num_processes × steps_per_generation`;
+    of the two, either one is given or `steps_per_generation` is `gradient_accumulation_steps`;
+    an optimizer step takes `gradient_accumulation_steps` micro-batches of each process.
+
+    Raises:
+        ValueError: a shape TRL refuses, or one whose groups would span ranks here (naming the
+            fields and values).
+    """
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an integer >= 1, got {num_processes!r}")
+    G = int(fields.take("num_generations"))
+    micro = int(fields.take("per_device_train_batch_size"))
+    accumulation = int(fields.take("gradient_accumulation_steps"))
+    steps = _steps_per_generation(fields, micro, num_processes, accumulation)
+    per_rank = micro * steps
+    if G < 2:
+        raise ValueError(f"num_generations = {G}: GRPO needs 2 or more samples a prompt (as TRL)")
+    if per_rank % G:
+        raise ValueError(
+            f"per_device_train_batch_size × steps_per_generation = {micro} × {steps} = {per_rank}"
+            f" completions per rank and generation must be whole groups of num_generations = {G}"
+            " (a group's samples stay on one rank here)"
+        )
+    if steps % accumulation:
+        raise ValueError(
+            f"steps_per_generation = {steps} must be a multiple of gradient_accumulation_steps = "
+            f"{accumulation} (an optimizer step here never spans two generations)"
+        )
+    fields.say(
+        f"num_processes: {num_processes} — converted for {num_processes} process(es) "
+        f"(trainer.devices: {num_processes}), each generating {per_rank // G} prompt(s) × {G} "
+        f"samples, TRL's generation_batch_size = {per_rank * num_processes} over all of them; "
+        "convert with --num-processes N for another count"
+    )
+    return BatchShape(G, micro, steps // accumulation, per_rank // G)
+
+
+def _steps_per_generation(
+    fields: _Fields, micro: int, num_processes: int, accumulation: int
+) -> int:
+    """TRL's `steps_per_generation`: given, of the global `generation_batch_size`, or
+    `gradient_accumulation_steps`."""
+    steps, total = fields.take("steps_per_generation"), fields.take("generation_batch_size")
+    if steps is not None and total is not None:
+        raise ValueError(
+            f"generation_batch_size = {total} and steps_per_generation = {steps}: give one of "
+            "them (TRL refuses both)"
+        )
+    if total is None:
+        return int(accumulation if steps is None else steps)
+    if int(total) % (micro * num_processes):
+        raise ValueError(
+            f"generation_batch_size = {total} must be a multiple of per_device_train_batch_size × "
+            f"num_processes = {micro} × {num_processes} (as TRL requires)"
+        )
+    return int(total) // (micro * num_processes)
+
+
+@dataclass(frozen=True)
 class Host:
     """Where a converted run trains, as far as its precision goes.
 
@@ -393,11 +468,15 @@ class Host:
         )
 
 
-def _trainer(fields: _Fields, max_steps: int, host: Host | None) -> dict[str, Any]:
-    """`trainer:` of TRL's step counts, precision, output directory, saves and evaluations."""
+def _trainer(
+    fields: _Fields, max_steps: int, host: Host | None, num_processes: int
+) -> dict[str, Any]:
+    """`trainer:` of TRL's step counts, precision, output directory, saves and evaluations, on
+    the `num_processes` the batch shape is per rank of."""
     trl = fields.trl
     trainer: dict[str, Any] = {
         "accelerator": "cpu" if trl.get("use_cpu") else "auto",
+        "devices": num_processes,
         "max_steps": max_steps,
         "log_every_n_steps": int(trl.get("logging_steps") or 10),
         "precision": _precision(fields, host),
@@ -574,15 +653,31 @@ def _surrogate(
 
 
 def main(argv: list[str]) -> int:
-    """`from-trl <grpo.yaml>`: the converted config on stdout, its notes as comments."""
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m composer_lightning from-trl grpo.yaml > run.yaml")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    path = argv[0]
+    """`from-trl <grpo.yaml> [--num-processes N]`: the converted config on stdout, its notes as
+    comments."""
+    parser = argparse.ArgumentParser(
+        prog="python -m composer_lightning from-trl",
+        description="A TRL GRPO config (the YAML `trl grpo --config` takes) as a fit config.",
+        epilog="e.g. from-trl grpo.yaml --num-processes 8 > run.yaml",
+    )
+    parser.add_argument("path", metavar="grpo.yaml", help="the TRL GRPO config")
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        metavar="N",
+        default=1,
+        help="processes (GPUs) the run trains on, TRL's world size (default 1): TRL's "
+        "generation_batch_size counts all of them, the converted batch options are per rank",
+    )
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+        return int(exc.code or 0)
+    path = args.path
     try:
         with open(path, encoding="utf-8") as f:
             trl = yaml.safe_load(f)
-        config, notes = convert(trl or {})
+        config, notes = convert(trl or {}, num_processes=args.num_processes)
     except (OSError, yaml.YAMLError, ValueError, TypeError) as exc:
         print(f"composer_lightning from-trl: {path}: {exc}", file=sys.stderr)
         return 2

@@ -208,6 +208,9 @@ def test_cispo_and_sapo_convert_to_their_loss_modes(tmp_path, loss_type, extra, 
         ("model_name_or_path: m\ndataset_name: d\nloss_type: cispo\n", "loss_type cispo caps each token's weight at epsilon_high = 0.2"),
         ("model_name_or_path: m\ndataset_name: d\nimportance_sampling_level: seq\n", "importance_sampling_level 'seq' is not TRL's"),
         ("model_name_or_path: m\ndataset_name: d\nsync_ref_model: true\n", "sync_ref_model: true with beta = 0"),
+        ("model_name_or_path: m\ndataset_name: d\ngeneration_batch_size: 16\nsteps_per_generation: 2\n", "generation_batch_size = 16 and steps_per_generation = 2: give one of them (TRL refuses both)"),
+        ("model_name_or_path: m\ndataset_name: d\ngeneration_batch_size: 12\n", "generation_batch_size = 12 must be a multiple of per_device_train_batch_size × num_processes = 8 × 1"),
+        ("model_name_or_path: m\ndataset_name: d\nnum_generations: 1\nper_device_train_batch_size: 4\n", "num_generations = 1: GRPO needs 2 or more samples a prompt"),
     ],
 )  # fmt: skip
 def test_bad_trl_configs_are_one_line_naming_the_field(tmp_path, fields, message):
@@ -464,3 +467,87 @@ def test_gradient_checkpointing_is_on_unless_turned_off_by_either_name(fields, o
     """TRL's default is on; transformers 5 names it `activation_checkpointing`, which wins over
     its older alias `gradient_checkpointing`."""
     assert _converted(**fields)["model"]["activation_checkpointing"] is on
+
+
+#: TRL batch fields, the processes converted for, and what a rollout batch is here per rank:
+#: (fields, num_processes, optimizer steps a generation, rows a forward, prompts per rank).
+#: TRL: steps_per_generation = generation_batch_size / (per_device_train_batch_size ×
+#: num_processes), optimizer steps a generation = steps_per_generation /
+#: gradient_accumulation_steps, prompts a generation = generation_batch_size / num_generations
+#: over all processes.
+BATCH_SHAPES = [
+    ({"per_device_train_batch_size": 8, "generation_batch_size": 32}, 1, 4, 8, 4),
+    ({"per_device_train_batch_size": 8, "steps_per_generation": 4}, 1, 4, 8, 4),
+    ({"per_device_train_batch_size": 8, "generation_batch_size": 32}, 4, 1, 8, 1),
+    ({"per_device_train_batch_size": 8, "generation_batch_size": 64}, 2, 4, 8, 4),
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 4}, 2, 1, 4, 2),
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 4, "generation_batch_size": 32}, 1, 4, 4, 8),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "processes", "updates", "rows", "prompts"), BATCH_SHAPES)
+def test_trls_batch_fields_count_as_trl_counts_them(fields, processes, updates, rows, prompts):
+    """A generation makes as many optimizer steps as TRL makes (`model.minibatches`), of the
+    same completions per rank; TRL's `generation_batch_size` is global, so on N processes each
+    rank generates 1/N of it; the trainer runs on those N processes, and a note says so."""
+    from composer_lightning.from_trl import Host, convert
+
+    config, notes = convert(
+        {**MINIMAL, **fields}, num_processes=processes, host=Host(gpu=True, cpu_bf16=False)
+    )
+    model, data = config["model"], config["data"]["init_args"]
+    assert (model["minibatches"], model["micro_batch_size"]) == (updates, rows)
+    assert data["prompts_per_step"] == prompts
+    assert config["trainer"]["devices"] == processes
+    (said,) = [n for n in notes if n.startswith("converted: num_processes")]
+    assert said.startswith(f"converted: num_processes: {processes} — converted for {processes}")
+
+
+def test_the_batch_rows_are_trls_own_counts(tmp_path, monkeypatch):
+    """Each row's counts are those TRL's own `GRPOConfig` derives (when `trl` is installed), its
+    `world_size` standing in for the processes."""
+    pytest.importorskip("trl", reason="trl not installed (pip install -e .[bench])")
+    from trl import GRPOConfig
+
+    for fields, processes, updates, rows, prompts in BATCH_SHAPES:
+        monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self, n=processes: n))
+        trl = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **fields)
+        steps = trl.steps_per_generation // trl.gradient_accumulation_steps
+        per_rank = trl.generation_batch_size // (trl.num_generations * processes)
+        assert (steps, trl.per_device_train_batch_size, per_rank) == (updates, rows, prompts)
+
+
+def test_the_command_line_converts_for_n_processes(tmp_path):
+    """`--num-processes 4`: TRL's generation_batch_size of 32 is 8 completions (1 prompt) a
+    rank, on 4 devices."""
+    import yaml
+
+    from tests.helpers import run_cli
+
+    trl = tmp_path / "grpo.yaml"
+    trl.write_text(
+        "model_name_or_path: m\ndataset_name: d\ngeneration_batch_size: 32\nbf16: false\n"
+    )
+    out = run_cli("from-trl", str(trl), "--num-processes", "4")
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    assert config["data"]["init_args"]["prompts_per_step"] == 1
+    assert config["trainer"]["devices"] == 4
+    assert "# converted: num_processes: 4 — converted for 4 process(es)" in out.stdout
+    bad = run_cli("from-trl", str(trl), "--num-processes", "0")
+    assert bad.returncode == 2 and "num_processes must be an integer >= 1, got 0" in bad.stderr
+
+
+def test_a_shape_whose_groups_would_span_ranks_is_refused():
+    """TRL spreads a group over processes; here a group's samples stay on one rank, so 16
+    completions of groups of 8 on 4 processes (4 a rank) cannot convert."""
+    from composer_lightning.from_trl import convert
+
+    fields = {"per_device_train_batch_size": 4, "generation_batch_size": 16}
+    with pytest.raises(ValueError) as info:
+        convert({**MINIMAL, **fields}, num_processes=4)
+    assert str(info.value) == (
+        "per_device_train_batch_size × steps_per_generation = 4 × 1 = 4 completions per rank "
+        "and generation must be whole groups of num_generations = 8 (a group's samples stay on "
+        "one rank here)"
+    )
