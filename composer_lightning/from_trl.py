@@ -158,8 +158,9 @@ def convert(
         host: where the run will train (bf16 on CPU depends on it); None: this machine.
 
     Raises:
-        ValueError: no `model_name_or_path`, no `dataset_name`, or a batch that does not divide
-            into whole groups (naming the fields and values).
+        ValueError: no `model_name_or_path`, no `dataset_name`, a batch shape TRL refuses, one
+            that would split a group across ranks or optimizer steps, or a step count between
+            two of a generation's optimizer steps (naming the fields and values).
     """
     if not isinstance(trl, dict) or not trl.get("model_name_or_path"):
         raise ValueError("a TRL GRPO config needs model_name_or_path")
@@ -320,6 +321,7 @@ def convert(
     if trl.get("chat_template_kwargs"):
         data["init_args"]["chat_template_kwargs"] = dict(trl["chat_template_kwargs"])
     used.add("chat_template_kwargs")
+    _check_step_counts(trl, model["ppo_epochs"] * shape.minibatches)
     trainer = _trainer(fields, max_steps, host, num_processes)
     for key, value in trl.items():
         if key in used or key in IGNORED:
@@ -413,6 +415,13 @@ def _batch_shape(fields: _Fields, num_processes: int) -> BatchShape:
             f"steps_per_generation = {steps} must be a multiple of gradient_accumulation_steps = "
             f"{accumulation} (an optimizer step here never spans two generations)"
         )
+    if (micro * accumulation) % G:  # else step 1 stops on it (`RolloutBatch.group_splits`)
+        raise ValueError(
+            f"per_device_train_batch_size × gradient_accumulation_steps = {micro} × {accumulation}"
+            f" = {micro * accumulation} completions per optimizer step and rank would split a "
+            f"group of num_generations = {G}: here each optimizer step takes whole groups "
+            f"(model.minibatches split along groups); give a multiple of {G}"
+        )
     fields.say(
         f"num_processes: {num_processes} — converted for {num_processes} process(es) "
         f"(trainer.devices: {num_processes}), each generating {per_rank // G} prompt(s) × {G} "
@@ -420,6 +429,25 @@ def _batch_shape(fields: _Fields, num_processes: int) -> BatchShape:
         "convert with --num-processes N for another count"
     )
     return BatchShape(G, micro, steps // accumulation, per_rank // G)
+
+
+def _check_step_counts(trl: dict[str, Any], updates: int) -> None:
+    """Refuse a step count the converted run would refuse at setup (`callbacks/steps.py`):
+    a rollout batch here makes `updates` optimizer steps, and a run stops, evaluates and saves
+    only between them; TRL stops anywhere.
+
+    Raises:
+        ValueError: `max_steps`, `eval_steps` or `save_steps` not a multiple of `updates`.
+    """
+    for key in ("max_steps", "eval_steps", "save_steps"):
+        value = int(trl.get(key) or 0)
+        if value > 0 and value % updates:
+            raise ValueError(
+                f"{key} = {value} counts optimizer steps, and a generation makes num_iterations ×"
+                f" steps_per_generation / gradient_accumulation_steps = {updates} of them here, "
+                "where a run stops, evaluates and saves only between generations: give a "
+                f"multiple of {updates} (e.g. {math.ceil(value / updates) * updates})"
+            )
 
 
 def _steps_per_generation(

@@ -94,7 +94,7 @@ epsilon_high: 0.28
 loss_type: dr_grpo
 scale_rewards: false
 num_iterations: 2
-max_steps: 3
+max_steps: 4
 logging_steps: 1
 seed: 7
 output_dir: {out}
@@ -305,11 +305,17 @@ TRAINING_DEFAULTS = [
 MINIMAL = {"model_name_or_path": "m", "dataset_name": "d", "max_steps": 100}
 
 
-def _converted(**fields):
-    """The conversion for a GPU machine, wherever the test runs."""
+def _convert(fields: dict, processes: int = 1) -> tuple[dict, list[str]]:
+    """`convert` of MINIMAL + `fields` for `processes` processes of a GPU machine, wherever the
+    test runs."""
     from composer_lightning.from_trl import Host, convert
 
-    return convert({**MINIMAL, **fields}, host=Host(gpu=True, cpu_bf16=False))[0]
+    host = Host(gpu=True, cpu_bf16=False)
+    return convert({**MINIMAL, **fields}, num_processes=processes, host=host)
+
+
+def _converted(**fields) -> dict:
+    return _convert(fields)[0]
 
 
 @pytest.mark.parametrize(("field", "default", "path", "value"), TRAINING_DEFAULTS)
@@ -447,9 +453,7 @@ def test_this_machines_bf16_units_are_found():
 def test_an_entropy_bonus_reduced_otherwise_than_trls_is_said(fields, note):
     """TRL takes the entropy bonus's token mean whatever the loss_type; here it is reduced like
     the loss (`model.aggregation`), so under dr_grpo or grpo a comment line says so."""
-    from composer_lightning.from_trl import Host, convert
-
-    _, notes = convert({**MINIMAL, **fields}, host=Host(gpu=True, cpu_bf16=False))
+    _, notes = _convert(fields)
     said = [n for n in notes if "entropy" in n]
     assert said == [] if note is None else len(said) == 1 and said[0].startswith(note), said
 
@@ -490,11 +494,7 @@ def test_trls_batch_fields_count_as_trl_counts_them(fields, processes, updates, 
     """A generation makes as many optimizer steps as TRL makes (`model.minibatches`), of the
     same completions per rank; TRL's `generation_batch_size` is global, so on N processes each
     rank generates 1/N of it; the trainer runs on those N processes, and a note says so."""
-    from composer_lightning.from_trl import Host, convert
-
-    config, notes = convert(
-        {**MINIMAL, **fields}, num_processes=processes, host=Host(gpu=True, cpu_bf16=False)
-    )
+    config, notes = _convert(fields, processes)
     model, data = config["model"], config["data"]["init_args"]
     assert (model["minibatches"], model["micro_batch_size"]) == (updates, rows)
     assert data["prompts_per_step"] == prompts
@@ -550,4 +550,70 @@ def test_a_shape_whose_groups_would_span_ranks_is_refused():
         "per_device_train_batch_size × steps_per_generation = 4 × 1 = 4 completions per rank "
         "and generation must be whole groups of num_generations = 8 (a group's samples stay on "
         "one rank here)"
+    )
+
+
+#: TRL batch shapes whose optimizer step takes part of a group (TRL trains them): (fields, the
+#: error's words).
+SPLIT_GROUPS = [
+    ({"per_device_train_batch_size": 4, "steps_per_generation": 4}, "per_device_train_batch_size × gradient_accumulation_steps = 4 × 1 = 4 completions per optimizer step and rank would split a group of num_generations = 8: here each optimizer step takes whole groups (model.minibatches split along groups); give a multiple of 8"),
+    ({"per_device_train_batch_size": 6, "num_generations": 4, "steps_per_generation": 2}, "= 6 × 1 = 6 completions per optimizer step and rank would split a group of num_generations = 4"),
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "generation_batch_size": 16}, "= 2 × 2 = 4 completions per optimizer step and rank would split a group of num_generations = 8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "message"), SPLIT_GROUPS)
+def test_a_minibatch_that_would_split_a_group_fails_at_conversion(fields, message):
+    """A group's samples train in one optimizer step here (their advantages are one group's),
+    so a TRL optimizer step of part of a group is refused when converting, naming the values,
+    not at step 1 of the run (`RolloutBatch.group_splits`) or, worse, as uneven minibatches."""
+    from composer_lightning.from_trl import convert
+
+    with pytest.raises(ValueError) as info:
+        convert({**MINIMAL, **fields})
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("fields", "processes", "updates", "rows", "prompts"), BATCH_SHAPES)
+def test_a_converted_rollout_batch_splits_into_trls_optimizer_steps(
+    fields, processes, updates, rows, prompts
+):
+    """What a converted shape is for: a rank's rollout batch (prompts × G rows, groups
+    contiguous) splits along groups into `model.minibatches` optimizer steps of exactly TRL's
+    per_device_train_batch_size × gradient_accumulation_steps completions each."""
+    import torch
+
+    from composer_lightning.protocols.batch import RolloutBatch
+
+    config, _ = _convert(fields, processes)
+    G = config["rollout"]["init_args"]["group_size"]
+    B = config["data"]["init_args"]["prompts_per_step"] * G
+    ids = torch.ones(B, 2, dtype=torch.long)
+    batch = RolloutBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=torch.tensor([[False, True]] * B),
+        rewards=torch.zeros(B),
+        has_reward=torch.ones(B, dtype=torch.bool),
+        group_ids=torch.arange(B) // G,
+        max_response_length=1,
+    )
+    splits = batch.group_splits(config["model"]["minibatches"])
+    accumulation = fields.get("gradient_accumulation_steps", 1)
+    assert [len(s) for s in splits] == [rows * accumulation] * updates
+
+
+@pytest.mark.parametrize("key", ["max_steps", "eval_steps", "save_steps"])
+def test_a_step_count_inside_a_generation_fails_at_conversion(key):
+    """TRL stops, evaluates and saves at any optimizer step; here only between rollout batches
+    (2 optimizer steps each with num_iterations 2), so 3 is refused when converting, naming the
+    next count that works, not at the run's setup."""
+    from composer_lightning.from_trl import convert
+
+    with pytest.raises(ValueError) as info:
+        convert({**MINIMAL, "num_iterations": 2, key: 3})
+    assert str(info.value) == (
+        f"{key} = 3 counts optimizer steps, and a generation makes num_iterations × "
+        "steps_per_generation / gradient_accumulation_steps = 2 of them here, where a run stops,"
+        " evaluates and saves only between generations: give a multiple of 2 (e.g. 4)"
     )
