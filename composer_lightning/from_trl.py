@@ -20,7 +20,9 @@ batch is `data.prompts_per_step × rollout.group_size` completions per rank, tra
 converted for.
 
 Why this file is long: it is the table of docs/from_trl.md as code, one place for each of the
-≈ 90 fields a TRL config can hold, so that a field's conversion is found beside its neighbours.
+≈ 90 fields a TRL config can hold, so that a field's conversion is found beside its neighbours,
+with the rules TRL applies to them (its batch counting, lr schedules, bf16 default) written
+where they are read; each is a small function.
 """
 
 from __future__ import annotations
