@@ -58,7 +58,7 @@ TRL_DEFAULTS: dict[str, Any] = {
     "adam_epsilon": 1e-8,
     "lr_scheduler_type": "linear",
     "warmup_steps": 0,
-    "warmup_ratio": 0.0,
+    "warmup_ratio": 0.0,  # transformers 4's; transformers 5 reads a warmup_steps below 1 so
     "max_steps": -1,
     "gradient_checkpointing": True,
     "entropy_coef": 0.0,
