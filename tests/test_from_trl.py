@@ -340,6 +340,8 @@ def test_the_table_holds_trls_own_defaults(tmp_path):
 
     trl = GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     for field, default, _, _ in TRAINING_DEFAULTS:
+        if field == "activation_checkpointing" and not hasattr(trl, field):
+            continue  # an older transformers: gradient_checkpointing is its only name
         value = getattr(trl, field)
         assert getattr(value, "value", value) == default, field
 
