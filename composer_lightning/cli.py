@@ -27,7 +27,7 @@ commands:
              (export --ckpt_path CKPT --out DIR [--adapter] [--dtype ...])
   heads      the registered loss heads, built-in and plugins
   from-trl   a TRL GRPO config (the YAML `trl grpo --config` takes) as a fit config
-             (from-trl grpo.yaml > run.yaml)
+             (from-trl grpo.yaml [--num-processes N] > run.yaml)
 
 Each command's own options: python -m composer_lightning <command> --help"""
 

@@ -7,7 +7,8 @@ surrogate's options and token masks in `surrogate.py`, the adaptive entropy coef
 `topk_targets.py`) under the one owner of a rollout batch's no-grad targets (`targets.py`),
 each calling only down; the micro-batch plan (`microbatch.py`) and the accumulated backward
 (`accumulate.py`); the canary (`canary.py`); a reference that follows the policy
-(`refsync.py`); one write of a step's metrics (`steplog.py`).
+(`refsync.py`); one write of a step's metrics (`steplog.py`); transformers' lr schedules
+(`lr_schedule.py`, what TRL's `lr_scheduler_type` converts to).
 May import: `functional`, `runtime`, `models`, `engines` (fingerprints), `protocols`, `heads`,
 `callbacks`. Never the rollout side: it hands the module a `RolloutBatch` and nothing else.
 """
