@@ -174,12 +174,18 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p) :] = 1
-        options = {
-            "do_sample": sampling.temperature > 0,  # 0: greedy
-            "temperature": sampling.temperature or None,
+        greedy = sampling.temperature == 0
+        # a greedy call passes no sampler flags: transformers warns on each ("not valid and may
+        # be ignored: ['top_k']"), once per call, on stderr
+        warpers = {
+            "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k_or_none or 0,  # 0 disables HF's top-k warper
             "min_p": sampling.min_p or None,
+        }
+        options = {
+            "do_sample": not greedy,
+            **({} if greedy else warpers),
             "repetition_penalty": sampling.repetition_penalty,
             "max_new_tokens": sampling.max_tokens,
             "min_new_tokens": 0,
