@@ -175,8 +175,8 @@ class HFEngine:
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p) :] = 1
         options = {
-            "do_sample": sampling.temperature > 0,  # 0: greedy
-            "temperature": sampling.temperature or None,
+            "do_sample": not sampling.greedy,
+            "temperature": None if sampling.greedy else sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k_or_none or 0,  # 0 disables HF's top-k warper
             "min_p": sampling.min_p or None,
