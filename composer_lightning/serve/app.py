@@ -51,11 +51,11 @@ from composer_lightning.serve.protocol import (
     completion_body,
     end_chunks,
     new_id,
-    parse_request,
     streamable,
     usage_chunk,
     with_tool_calls,
 )
+from composer_lightning.serve.request import parse_request, read_json
 from composer_lightning.serve.store import TurnStore
 
 
@@ -242,7 +242,7 @@ def make_app(
                 429, f"Rate limit reached: {limiter.per_minute} requests per minute.",
                 type="requests", code="rate_limit_exceeded",
             )  # fmt: skip
-        body = await _read_json(request, max_request_bytes)
+        body = await read_json(request, max_request_bytes)
         req = parse_request(body, dict(request.headers), max_n=max_n)
         _check_model(req.model, model_name)
         # the history's OpenAI tool calls as this template renders them; stored in this form
@@ -303,7 +303,7 @@ def make_app(
         if not req.side:  # a side turn (a judge's, a summary's) is served, never recorded
             # every choice, one group (trained together, `TurnStore.take_judged`); greedy
             # choices are one reply n times: recorded once
-            recorded = kept if sampling.temperature > 0 else kept[:1]
+            recorded = kept[:1] if sampling.greedy else kept
             await run_in_threadpool(
                 store.record_choices, req.session, req.messages, prompt_ids,
                 [(c.token_ids, ch.text, c.logprobs) for c, ch in zip(recorded, choices, strict=False)],
@@ -402,25 +402,6 @@ def _check_model(model: str, model_name: str) -> None:
             404, f"The model {model!r} does not exist; this server serves {model_name!r}.",
             param="model", code="model_not_found",
         )  # fmt: skip
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    length = request.headers.get("content-length")
-    too_large = ApiError(
-        413, f"the request body is larger than this server's limit of {limit} bytes",
-        code="request_too_large",
-    )  # fmt: skip
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:
-            raise too_large
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", param="body") from None
 
 
 def _render(tokenizer: Any, req: ChatRequest) -> list[int]:
