@@ -214,8 +214,9 @@ def make_app(
 
     def authorize(request: Request) -> str:
         """The request's bearer token ("" without one), checked against the keys."""
-        header = request.headers.get("authorization") or ""
-        token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
+        # the scheme is case-insensitive (RFC 7235 §2.1): "bearer", "BEARER" are "Bearer"
+        scheme, _, token = (request.headers.get("authorization") or "").strip().partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
         if keys is not None and token not in keys:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return token

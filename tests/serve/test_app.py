@@ -242,9 +242,15 @@ def test_an_oversized_body_without_content_length_is_refused_while_read(served):
 def test_missing_session_bad_key_and_unknown_path(served):
     r = _post(served, _ok_body(), {"X-Session-Id": ""})
     assert r.status_code == 400 and "X-Session-Id" in r.json()["error"]["message"]
-    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""}):
+    for headers in (
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": ""},
+        {"Authorization": KEY},
+    ):
         r = _post(served, _ok_body(), headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for scheme in ("bearer", "BEARER", "Bearer "):  # RFC 7235: the scheme in any case
+        assert _post(served, _ok_body(), {"Authorization": f"{scheme} {KEY}"}).status_code == 200
     bad = openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
