@@ -21,7 +21,7 @@ may share the file (`BEGIN IMMEDIATE` and a busy timeout order them).
 
 Why this file is long: it is the only code that writes the turns table. Each state change above
 is one method and one transaction, and the rules that make judging exactly-once and a resume's
-hand-back exact (claims, leases, retries, staleness, sessions' owners) hold only read together.
+hand-back exact (claims, leases, retries, staleness) hold only read together.
 """
 
 from __future__ import annotations
@@ -66,10 +66,6 @@ CREATE TABLE IF NOT EXISTS turns (
 );
 CREATE INDEX IF NOT EXISTS turns_state ON turns (state, id);
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session, turn_index);
-CREATE TABLE IF NOT EXISTS sessions (
-    session TEXT PRIMARY KEY,
-    owner TEXT NOT NULL
-);
 CREATE TABLE IF NOT EXISTS launches (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     parent INTEGER,
@@ -287,16 +283,6 @@ class TurnStore:
         """Every launch: id -> (parent launch or None, start version) (`serve/lineage.py`)."""
         rows = self._read("SELECT id, parent, start_version FROM launches")
         return {int(r[0]): (None if r[1] is None else int(r[1]), int(r[2])) for r in rows}
-
-    def bind_session(self, session: str, owner: str) -> bool:
-        """Bind `session` to `owner` at its first request; whether `owner` holds it (a session
-        another owner holds is refused: nobody else can score, continue or end it)."""
-        with self._write() as db:
-            row = db.execute("SELECT owner FROM sessions WHERE session = ?", (session,)).fetchone()
-            if row is None:
-                db.execute("INSERT INTO sessions (session, owner) VALUES (?, ?)", (session, owner))
-                return True
-            return row[0] == owner
 
     def attach_next_state(
         self, session: str, messages: list[dict[str, Any]], fmt: str = "auto"

@@ -88,9 +88,10 @@ class ServeCallback(RolloutCallback):
         hint_role: role of the message that carries the hint.
         max_staleness: judged turns sampled more than this many versions ago are dropped.
         host, port: where to listen (127.0.0.1; port 0: a free one, printed at start).
-        api_key: the bearer token clients must send, or one per client (a session belongs to
-            the token of its first request; rate limits are per token); None: none (bound to
-            127.0.0.1 only, by default).
+        api_key: the bearer token clients must send, or one per client (sessions are owned
+            per key: no key reaches another's; rate limits are per key); None: none, one tenant
+            (every client may continue, score or end any session; said at start), bound to
+            127.0.0.1 by default (`serve/access.py`).
         model_name: the model id served at `/v1/models`.
         max_request_bytes, rate_limit_per_minute: request limits (413, 429).
         session_timeout_s: a turn whose session sends nothing more for this long is judged
@@ -187,6 +188,7 @@ class ServeCallback(RolloutCallback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After the restore: push the (restored) weights, hand back the turns of steps no
         checkpoint holds, then serve and judge."""
+        from composer_lightning.serve.access import SINGLE_TENANT_NOTICE
         from composer_lightning.serve.app import make_app
         from composer_lightning.serve.server import BackgroundServer
 
@@ -215,6 +217,8 @@ class ServeCallback(RolloutCallback):
         )
         self.server = BackgroundServer(self.app, host=self.host, port=self.port)
         self.url = self.server.start()
+        if self.api_key is None:
+            print(SINGLE_TENANT_NOTICE, flush=True)
         print(f"composer_lightning: serving {self.model_name!r} at {self.url}/v1", flush=True)
         self._stop.clear()
         self._judge = threading.Thread(
