@@ -10,8 +10,9 @@ life:
     ready ──claim──> judging ──set_judged──> judged ──take_judged──> trained
     judged ──take_judged on weights too many steps back──> dropped ("stale")
 
-Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn whose `record`
-returned survives a kill -9 or a power cut. A judge claims turns under a name; a claim that its
+The file (and SQLite's -wal and -shm beside it) is readable by its owner only (0600): it holds
+what clients said. Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn
+whose `record` returned survives a kill -9 or a power cut. A judge claims turns under a name; a claim that its
 owner never finished is taken back by the same name (`reclaim`, when a judge restarts) or by
 anyone once its lease has passed, and `set_judged` only lands for the current claimant of a `judging` turn:
 a judged turn is never judged again.
@@ -27,6 +28,7 @@ hand-back exact (claims, leases, retries, staleness) hold only read together.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -139,6 +141,19 @@ _ADDED_COLUMNS = (
 )
 
 
+def _private(path: str) -> None:
+    """Make the store's file readable by its owner only (0600), before SQLite opens it: it
+    holds what clients said. SQLite gives its -wal and -shm files the database's mode."""
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    if os.stat(path).st_mode & 0o077:  # a store an older release made readable by all
+        os.chmod(path, 0o600)
+        for side in (f"{path}-wal", f"{path}-shm"):
+            if os.path.exists(side):
+                os.chmod(side, 0o600)
+
+
 def _turn(row: sqlite3.Row) -> Turn:
     data = {k: row[k] for k in row.keys() if k not in ("claimed_at", "retry_at")}
     for k in _JSON_FIELDS:
@@ -156,6 +171,7 @@ class TurnStore:
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
         self.path = str(path)
+        _private(self.path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s

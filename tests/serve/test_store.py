@@ -296,3 +296,23 @@ def test_take_judged_never_splits_a_group_to_fill_a_batch(tmp_path):
     assert [t.id for t in store.take_judged(2)] == [first]  # the group would not fit
     assert [t.id for t in store.take_judged(2)] == group
     assert [t.id for t in store.take_judged(2)] == [last]
+
+
+def test_the_store_is_readable_by_its_owner_only(tmp_path):
+    """It holds what clients said: 0600 for the file and SQLite's -wal and -shm beside it,
+    whatever the umask; a store an older release left readable by all is made private."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        store = TurnStore(tmp_path / "turns.db")
+        _record(store, "s", [USER], "x")
+        files = [tmp_path / f for f in ("turns.db", "turns.db-wal", "turns.db-shm")]
+        assert [stat.S_IMODE(os.stat(f).st_mode) for f in files] == [0o600] * 3
+        store.close()  # SQLite removes its -wal and -shm files
+        os.chmod(files[0], 0o644)
+        TurnStore(tmp_path / "turns.db").close()
+        assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
+    finally:
+        os.umask(old)
