@@ -5,6 +5,7 @@ checking is `request.py`'s), the response and stream chunk bodies (the shapes of
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -93,14 +94,16 @@ class Choice:
 
 def with_tool_calls(choice: Choice, offered_tools: bool, fmt: str = "auto") -> Choice:
     """`choice` as OpenAI returns a reply that calls tools (`chat.tool_calls.split_reply`):
-    content = the text outside the calls (None when empty), `tool_calls`, finish reason
-    "tool_calls". Unchanged when the request offered no tools, the reply has no call, or it
+    content = the text outside the calls (None when empty), `tool_calls` (each with an id of its
+    own), finish reason "tool_calls". Unchanged when the request offered no tools, the reply has no call, or it
     was cut by `max_tokens`. Calls are read in format `fmt`."""
     if not offered_tools or choice.text is None or choice.finish_reason == "length":
         return choice
     content, calls = split_reply(choice.text, fmt=fmt)
     if not calls:
         return choice
+    # each call its own id, as OpenAI's are: a harness keys its tool results by them
+    calls = [dataclasses.replace(c, id=new_call_id()) for c in calls]
     return Choice(content or None, "tool_calls", [c.openai() for c in calls])
 
 
@@ -109,11 +112,17 @@ def new_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
+def new_call_id() -> str:
+    """A tool call's id in OpenAI's form (`call_` and 24 characters), unique per call."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def weights_label(version: int, launch: int = 0) -> str:
-    """The reply's `system_fingerprint`: `weights-v<version>`, and `-l<launch>` after it from
-    the second launch of a store on (`serve/lineage.py`), so no label names two sets of
-    weights."""
-    return f"weights-v{version}" if launch <= 1 else f"weights-v{version}-l{launch}"
+    """The reply's `system_fingerprint`: `weights-l<launch>-v<version>` (`weights-v<version>`
+    for an app serving no launch). No label names two sets of weights (`serve/lineage.py`), and
+    labels order as the weights were served: by launch, then by version (a resumed run's first
+    label, `l2-v33`, follows the lost run's last, `l1-v36`)."""
+    return f"weights-v{version}" if launch < 1 else f"weights-l{launch}-v{version}"
 
 
 def _head(req: ChatRequest, cid: str, kind: str, version: int, launch: int) -> dict[str, Any]:

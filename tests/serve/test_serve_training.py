@@ -174,9 +174,9 @@ def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
         first = talk.ask(openai.OpenAI(base_url=url, api_key="none"), [{"role": "user", "content": "1 + 1?"}], "c", done=True)  # fmt: skip
         # served only once the restored weights are in the engine (never the base weights),
         # under labels of the second launch: no label names the lost weights and these both
-        label = re.fullmatch(r"weights-v(\d+)-l(\d+)", first.system_fingerprint)
-        assert label and int(label[2]) == 2, first.system_fingerprint
-        assert int(label[1]) >= restored["policy_version"] > 0
+        label = re.fullmatch(r"weights-l(\d+)-v(\d+)", first.system_fingerprint)
+        assert label and int(label[1]) == 2, first.system_fingerprint
+        assert int(label[2]) >= restored["policy_version"] > 0
         _talk(url, 2, "b")
         time.sleep(1)
         after = sqlite3.connect(db).execute("SELECT id FROM turns").fetchall()
