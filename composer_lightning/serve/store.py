@@ -7,8 +7,13 @@ life:
 
     recorded ──(next request of the session shows what followed it)──> ready
     recorded ──(session ended, or no next request within the timeout)──> ready (empty next state)
-    ready ──claim──> judging ──set_judged──> judged ──take_judged──> trained
+    ready ──claim──> judging ──set_judged──> judged ──take_judged──> taken
+    taken ──a checkpoint holding the step that took it is written──> trained
     judged ──take_judged on weights too many steps back──> dropped ("stale")
+
+A turn is `trained` only once a checkpoint holds the training step that took it
+(`confirm_trained`); at every start, turns that no restored checkpoint holds go back to `judged`
+(`untrain`), so a crash before any checkpoint loses none and a turn is trained exactly once.
 
 The file (and SQLite's -wal and -shm beside it) is readable by its owner only (0600): it holds
 what clients said. Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn
@@ -38,8 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-State = Literal["recorded", "ready", "judging", "judged", "trained", "dropped"]
-STATES: tuple[State, ...] = ("recorded", "ready", "judging", "judged", "trained", "dropped")
+State = Literal["recorded", "ready", "judging", "judged", "taken", "trained", "dropped"]
+STATES: tuple[State, ...] = (
+    "recorded", "ready", "judging", "judged", "taken", "trained", "dropped"
+)  # fmt: skip
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -452,7 +459,10 @@ class TurnStore:
     def drop(self, turn_id: int, reason: str, *, claimant: str | None = None) -> bool:
         """Drop a turn that is not trained yet (a judge that cannot judge it; `claimant`: only
         while it holds the claim). Returns whether it was dropped."""
-        sql = "UPDATE turns SET state = 'dropped', drop_reason = ? WHERE id = ? AND state != 'trained'"
+        sql = (
+            "UPDATE turns SET state = 'dropped', drop_reason = ? WHERE id = ? "
+            "AND state NOT IN ('taken', 'trained')"
+        )
         args: tuple[Any, ...] = (reason, turn_id)
         if claimant is not None:
             sql += " AND state = 'judging' AND claimant = ?"
@@ -466,7 +476,8 @@ class TurnStore:
         min_version: int | None = None,
         stale: Callable[[int, int], bool] | None = None,
     ) -> list[Turn]:
-        """Hand up to `limit` judged turns to training, oldest first, marking them `trained`.
+        """Hand up to `limit` judged turns to a training step, oldest first, marking them
+        `taken` (`trained` once a checkpoint holds the step: `confirm_trained`).
 
         The choices of one request (a group) go together, once none of them waits for its
         judge (members dropped meanwhile are left out); a group is never split, and one larger
@@ -496,22 +507,44 @@ class TurnStore:
                     "UPDATE turns SET state = 'dropped', drop_reason = 'stale' WHERE id = ?", old
                 )
             ids = self._whole_groups(db, limit)
-            db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in ids])
+            db.executemany("UPDATE turns SET state = 'taken' WHERE id = ?", [(i,) for i in ids])
             return self._turns(db, ids)
 
-    def untrain(self, keep: list[int]) -> int:
-        """Hand `trained` turns not in `keep` back to training (`judged`): after a restart from
-        a checkpoint, the turns taken by steps the checkpoint does not hold.
+    def confirm_trained(self, held: list[int]) -> int:
+        """Mark the `taken` turns among `held` `trained`: call it once a checkpoint holding the
+        steps that took them is written. Returns how many."""
+        with self._write() as db:
+            taken = {int(r[0]) for r in db.execute("SELECT id FROM turns WHERE state = 'taken'")}
+            now = sorted(taken & {int(i) for i in held})
+            db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in now])
+            return len(now)
+
+    def untrain(self, keep: list[int] | None) -> int:
+        """Hand back to training (`judged`) the turns taken by steps that the weights a run
+        starts from do not hold; call it at every start.
+
+        Args:
+            keep: the turns the restored checkpoint's steps took (they are `trained`: that
+                checkpoint exists), every other `taken` or `trained` turn goes back; None (no
+                checkpoint restored): the `taken` turns go back, the `trained` ones (which
+                some checkpoint holds) stay.
 
         Returns:
             How many went back.
         """
-        kept = set(int(i) for i in keep)
         with self._write() as db:
-            ids = [r[0] for r in db.execute("SELECT id FROM turns WHERE state = 'trained'")]
-            back = [(i,) for i in ids if i not in kept]
-            db.executemany("UPDATE turns SET state = 'judged' WHERE id = ?", back)
-            return len(back)
+            if keep is None:
+                return db.execute(
+                    "UPDATE turns SET state = 'judged' WHERE state = 'taken'"
+                ).rowcount
+            kept = {int(i) for i in keep}
+            rows = db.execute("SELECT id FROM turns WHERE state IN ('taken', 'trained')")
+            ids = [int(r[0]) for r in rows]
+            db.executemany(
+                "UPDATE turns SET state = ? WHERE id = ?",
+                [("trained" if i in kept else "judged", i) for i in ids],
+            )
+            return sum(i not in kept for i in ids)
 
     def get(self, turn_id: int) -> Turn:
         """One turn by id (KeyError naming it when there is none)."""
