@@ -160,7 +160,7 @@ def test_random_tool_specs_render_as_by_hand(name):
     client strings too, whether the template renders the tools (the tiny tool policy's) or
     they are described in the system message (SmolLM2's)."""
 
-    @PROPERTY
+    @settings(PROPERTY, max_examples=60)  # a tool spec renders long: fewer, as many shapes
     @given(chats(name), tool_specs(name))
     def check(messages, tools):
         tok = tokenizer(name)

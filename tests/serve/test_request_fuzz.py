@@ -149,7 +149,7 @@ def test_the_issues_inputs_are_400s_naming_the_field(client):
 
 
 @settings(
-    max_examples=300,
+    max_examples=200,
     deadline=None,
     derandomize=True,
     database=None,
