@@ -14,7 +14,9 @@ data in `serve`). The strings are located by construction, not searched for in t
    that holds a placeholder is tokenised again with the placeholders put back, as plain text
    (special tokens not parsed: `literal_ids`).
 
-A chat whose strings hold no special token's string is exactly `tokenizer(text)`. The template
+A chat whose strings hold no special token's string is exactly `tokenizer(text)`. A message's
+role is the one string a template may make control tokens of (`<|{{ role }}|>`): it must be a
+role the template knows (`serve` accepts OpenAI's roles only). The template
 must render a placeholder as it renders the string it replaces (it does unless it tests for the
 very string, or escapes non-ASCII text): the text with the placeholders put back is checked to be
 the template's rendering of the real chat, else a ValueError says which strings.
