@@ -1,7 +1,8 @@
 """Chat templates on token ids, and where the hint goes.
 
 Owns: rendering a problem's chat (and the tools shown to the model) to the token ids the engine
-receives (`templates.py`), and the teacher's hinted context beside the student's, aligned token
+receives (`templates.py`), every client string in it plain text, never a control token
+(`literal.py`), and the teacher's hinted context beside the student's, aligned token
 by token (`hints.py`); tool calls in a model's text and in OpenAI's form, the one parser serve
 and the tool environments share (`tool_calls.py`). May import: nothing of the package (a
 tokenizer and messages in, token ids out).

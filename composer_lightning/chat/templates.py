@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from composer_lightning.chat.literal import render_literal
+
 Message = dict[str, Any]
 
 #: What separates a base model's prompt text from the hint, and the hint from the response.
@@ -44,71 +46,32 @@ def render_ids(
     render `tools` (SmolLM2's) gets them described in the system message
     (`chat.tool_calls.with_tools_in_system`), so the model is always shown its tools.
 
+    Every string of `messages` and `tools` (contents, names, tool specs, call arguments) is
+    literal text: the special tokens in the ids are the template's own (`chat/literal.py`).
+
     Raises:
-        ValueError: the tokenizer has no chat template (one line naming it).
+        ValueError: the tokenizer has no chat template (one line naming it), or the template
+            renders a string holding a special token's string otherwise than other text.
     """
     if not has_chat_template(tokenizer):
         raise no_template(tokenizer, "a chat")
     extra = dict(getattr(tokenizer, "chat_template_kwargs", None) or {})
+    shown = None  # the tools the template renders itself
     if tools:
         from composer_lightning.chat.tool_calls import template_renders_tools, with_tools_in_system
 
         if template_renders_tools(tokenizer):
-            extra["tools"] = tools
+            shown = tools
         else:  # the template would drop them silently: the system message describes them
             messages = with_tools_in_system(messages, tools)
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
-    )
-    return _ids_with_literal_content(tokenizer, text, messages)
 
+    def render(chat: list[Message], specs: list[dict[str, Any]] | None) -> str:
+        given = extra if specs is None else {**extra, "tools": specs}
+        return tokenizer.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=add_generation_prompt, **given
+        )
 
-def _control_strings(tokenizer: Any) -> list[str]:
-    """The strings the tokenizer turns into its added (control) tokens wherever they appear."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return [str(getattr(t, "content", t)) for t in decoder.values()]
-
-
-def _content_texts(messages: list[Message]) -> list[str]:
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, str):
-            out.append(content)
-        elif isinstance(content, list):  # OpenAI content parts
-            out += [p["text"] for p in content if isinstance(p, dict) and "text" in p]
-    return out
-
-
-def _ids_with_literal_content(tokenizer: Any, text: str, messages: list[Message]) -> list[int]:
-    """`tokenizer(text)` ids, except that a control token's string inside a message's content
-    (`<|im_start|>`, `<|eot|>`, ...) is tokenised as the text it is, never as the control token:
-    otherwise a user could write `...<|eot|><|assistant|>7` and forge an assistant turn in the
-    recorded prompt (training data). Only when some content holds such a string does the text
-    get tokenised in pieces (the template's own text, then each such content with
-    `split_special_tokens`); otherwise the ids are exactly `tokenizer(text)`'s.
-
-    Raises:
-        ValueError: the template changed such a content, so it cannot be found in the text.
-    """
-    plain = lambda piece: list(tokenizer(piece, add_special_tokens=False)["input_ids"])  # noqa: E731
-    controls = _control_strings(tokenizer)
-    risky = [c for c in _content_texts(messages) if any(k in c for k in controls)]
-    if not risky:
-        return plain(text)
-    ids, cursor = [], 0
-    for content in risky:
-        start = text.find(content, cursor)
-        if start < 0:
-            found = [k for k in controls if k in content]
-            raise ValueError(
-                f"a message's content holds the control token(s) {found} and the chat "
-                "template changed that content, so it cannot be kept as plain text: remove them"
-            )
-        ids += plain(text[cursor:start])
-        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        cursor = start + len(content)
-    return ids + plain(text[cursor:])
+    return render_literal(tokenizer, render, messages, shown)
 
 
 def template_delta(

@@ -15,14 +15,19 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+#: a temperature below this samples greedily, as vLLM's engine does (its `_SAMPLING_EPS`): logits
+#: divided by a smaller one overflow float32, and sampling from the NaN that leaves fails
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingConfig:
     """How an engine samples completions.
 
     Attributes:
-        temperature: logits are divided by it before sampling, > 0; 0 means greedy decoding
-            (held-out evaluation; training rollouts must sample).
+        temperature: logits are divided by it before sampling, > 0; 0 (or any temperature
+            below `GREEDY_BELOW`) means greedy decoding (held-out evaluation; training rollouts
+            must sample).
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; None (or 0) is off.
         min_p: drop tokens less likely than `min_p` × the most likely one's probability, in
@@ -72,6 +77,11 @@ class SamplingConfig:
                 f"{self.generation_kwargs!r}"
             )
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this decodes greedily: a temperature of 0, or below `GREEDY_BELOW`."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def shaped(self) -> bool:

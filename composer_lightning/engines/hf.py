@@ -174,7 +174,7 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p) :] = 1
-        greedy = sampling.temperature == 0
+        greedy = sampling.greedy  # below GREEDY_BELOW, as vLLM's engine decodes
         # a greedy call passes no sampler flags: transformers warns on each ("not valid and may
         # be ignored: ['top_k']"), once per call, on stderr
         warpers = {

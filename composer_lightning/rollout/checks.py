@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 
 from composer_lightning.chat import HINT_ROLES
-from composer_lightning.engines.base import RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import GREEDY_BELOW, RolloutEngine, SamplingConfig
 from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
 from composer_lightning.rollout.hint_check import HINT_TRUST
 from composer_lightning.runtime.errors import ConfigError
@@ -214,8 +214,11 @@ def check_settings(
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if hint_role not in HINT_ROLES:
         raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
-    if sampling.temperature == 0:
-        raise ValueError("training rollouts must sample: sampling.temperature must be > 0")
+    if sampling.greedy:
+        raise ValueError(
+            f"training rollouts must sample: sampling.temperature must be >= {GREEDY_BELOW} "
+            f"(below it engines decode greedily), got {sampling.temperature!r}"
+        )
     if val_samples < 1:
         raise ValueError(f"val_samples must be >= 1, got {val_samples}")
     if isinstance(val_threshold, bool) or not isinstance(val_threshold, (int, float)):

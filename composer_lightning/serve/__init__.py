@@ -1,7 +1,8 @@
 """Serve the policy behind an OpenAI-compatible chat endpoint and record what it serves.
 
 `TurnStore` (store.py) keeps served turns durably from recording to training; `make_app`
-(app.py) is the endpoint; `EngineBackend` (backend.py) puts a rollout engine behind it;
+(app.py) is the endpoint, request.py checks what a client sends, access.py says who may call
+and whose sessions are whose, protocol.py writes OpenAI's shapes; `EngineBackend` (backend.py) puts a rollout engine behind it;
 `BackgroundServer` (server.py) runs it with uvicorn on a thread; `ServeCallback` (training.py)
 and `ServeDataModule` (data.py) train on what was served (`python -m composer_lightning serve`);
 lineage.py counts the optimizer steps between two weight versions when restarts fork the run.

@@ -25,10 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +40,7 @@ from starlette.exceptions import HTTPException
 from composer_lightning.chat import render_ids
 from composer_lightning.chat.tool_calls import for_template, resolve_format
 from composer_lightning.engines.base import Completion, SamplingConfig
+from composer_lightning.serve.access import Access, RateLimiter
 from composer_lightning.serve.backend import ServeBackend
 from composer_lightning.serve.protocol import (
     ApiError,
@@ -51,11 +51,11 @@ from composer_lightning.serve.protocol import (
     completion_body,
     end_chunks,
     new_id,
-    parse_request,
     streamable,
     usage_chunk,
     with_tool_calls,
 )
+from composer_lightning.serve.request import parse_request, read_json
 from composer_lightning.serve.store import TurnStore
 
 
@@ -84,23 +84,6 @@ class ServeMetrics:
             **{f"errors/{s}": n for s, n in sorted(self.errors.items())},
             **{f"turns/{k}": v for k, v in counts.items()},
         }
-
-
-class _RateLimiter:
-    """At most `per_minute` requests per client in any 60 s window."""
-
-    def __init__(self, per_minute: int) -> None:
-        self.per_minute = per_minute
-        self._seen: defaultdict[str, deque[float]] = defaultdict(deque)
-
-    def allow(self, client: str) -> bool:
-        now, seen = time.monotonic(), self._seen[client]
-        while seen and seen[0] <= now - 60:
-            seen.popleft()
-        if len(seen) >= self.per_minute:
-            return False
-        seen.append(now)
-        return True
 
 
 def _cut_at_stop(tokenizer: Any, c: Completion, stops: list[str]) -> tuple[Completion, Choice]:
@@ -141,9 +124,8 @@ def make_app(
         store: where served turns are recorded.
         model_name: the one model id served (`/v1/models`); requests must name it.
         api_key: the bearer token clients must send, or a list of them (one per client); None:
-            no authentication. A session belongs to the bearer token of its first request
-            (whatever it is, also without `api_key`): a request with another token for it is
-            refused (403), so no other client can score, continue or end it.
+            no authentication, one tenant. Sessions are owned per key: a session id names one
+            of its key's sessions only (`serve/access.py`).
         max_request_bytes: larger bodies are refused with 413.
         rate_limit_per_minute: requests per client (its bearer token; without one, its address)
             per minute (429 beyond); None: off.
@@ -186,7 +168,7 @@ def make_app(
 
     app = FastAPI(title="composer_lightning serve", lifespan=lifespan, openapi_url=None)
     app.state.metrics = metrics = ServeMetrics()
-    limiter = _RateLimiter(rate_limit_per_minute) if rate_limit_per_minute else None
+    limiter = RateLimiter(rate_limit_per_minute) if rate_limit_per_minute else None
     default_temperature = 1.0 if train_sampling is None else train_sampling.temperature
     created = int(time.time())
 
@@ -210,40 +192,32 @@ def make_app(
         msg = f"the server failed: {type(e).__name__}: {e}"
         return error(ApiError(500, msg, type="server_error"))
 
-    keys = None if api_key is None else {api_key} if isinstance(api_key, str) else set(api_key)
-
-    def authorize(request: Request) -> str:
-        """The request's bearer token ("" without one), checked against the keys."""
-        header = request.headers.get("authorization") or ""
-        token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
-        if keys is not None and token not in keys:
-            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-        return token
+    access = Access(api_key)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        authorize(request)
+        access.caller(request)
         return {"object": "list", "data": [_model_card(model_name, created)]}
 
     @app.get("/v1/models/{model}")
     async def get_model(model: str, request: Request) -> dict[str, Any]:
-        authorize(request)
+        access.caller(request)
         _check_model(model, model_name)
         return _model_card(model_name, created)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         metrics.requests += 1
-        token = authorize(request)
-        owner = hashlib.sha256(token.encode()).hexdigest()  # the store keeps no key
-        address = request.client.host if request.client else "unknown"
-        if limiter is not None and not limiter.allow(owner if token else f"address {address}"):
+        caller = access.caller(request)
+        if limiter is not None and not limiter.allow(caller.bucket):
             raise ApiError(
                 429, f"Rate limit reached: {limiter.per_minute} requests per minute.",
                 type="requests", code="rate_limit_exceeded",
             )  # fmt: skip
-        body = await _read_json(request, max_request_bytes)
+        body = await read_json(request, max_request_bytes)
         req = parse_request(body, dict(request.headers), max_n=max_n)
+        # from here on the session is named as the store keeps it: within the caller's own
+        req = dataclasses.replace(req, session=caller.session(req.session))
         _check_model(req.model, model_name)
         # the history's OpenAI tool calls as this template renders them; stored in this form
         # (tools a template does not render are described in the system message by render_ids)
@@ -253,11 +227,6 @@ def make_app(
             req, len(prompt_ids), backend.max_context, default_max_tokens, default_temperature
         )
         if not req.side:
-            if not await run_in_threadpool(store.bind_session, req.session, owner):
-                raise ApiError(
-                    403, f"session {req.session!r} belongs to another API key",
-                    param="session_id", code="session_forbidden",
-                )  # fmt: skip
             await run_in_threadpool(store.attach_next_state, req.session, req.messages, fmt)
         opened = getattr(backend, "open", None)  # a backend that streams (`StepBackend`)
         if callable(opened):
@@ -303,7 +272,7 @@ def make_app(
         if not req.side:  # a side turn (a judge's, a summary's) is served, never recorded
             # every choice, one group (trained together, `TurnStore.take_judged`); greedy
             # choices are one reply n times: recorded once
-            recorded = kept if sampling.temperature > 0 else kept[:1]
+            recorded = kept[:1] if sampling.greedy else kept
             await run_in_threadpool(
                 store.record_choices, req.session, req.messages, prompt_ids,
                 [(c.token_ids, ch.text, c.logprobs) for c, ch in zip(recorded, choices, strict=False)],
@@ -402,25 +371,6 @@ def _check_model(model: str, model_name: str) -> None:
             404, f"The model {model!r} does not exist; this server serves {model_name!r}.",
             param="model", code="model_not_found",
         )  # fmt: skip
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    length = request.headers.get("content-length")
-    too_large = ApiError(
-        413, f"the request body is larger than this server's limit of {limit} bytes",
-        code="request_too_large",
-    )  # fmt: skip
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:
-            raise too_large
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", param="body") from None
 
 
 def _render(tokenizer: Any, req: ChatRequest) -> list[int]:

@@ -182,7 +182,7 @@ class EngineBackend:
         groups: dict[Any, tuple[int, list[_Request]]] = {}
         for r in batch:
             # Greedy replies are all the same; HF's generate refuses n > 1 without sampling.
-            n = 1 if r.sampling.temperature == 0 else r.n
+            n = 1 if r.sampling.greedy else r.n
             key = (n, repr(r.sampling)) if r.sampling.seed is None else id(r)
             groups.setdefault(key, (n, []))[1].append(r)
         for n, group in groups.values():

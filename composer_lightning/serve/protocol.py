@@ -1,35 +1,17 @@
-"""OpenAI's chat-completions wire format: the request checked into a `ChatRequest`, the errors,
-the response and stream chunk bodies (the shapes of `openai.types.chat`).
-
-Accepted: every field the `openai` client can send (`CompletionCreateParams`, read from the
-installed package) plus `stream`, and OpenClaw-RL's `session_id` / `session_done`. Used:
-`messages`, `model`, `n`, `max_completion_tokens` (or the older `max_tokens`), `temperature`,
-`top_p`, `stop`, `tools`, `stream`, `stream_options.include_usage`, `seed`, `user`. The other
-client fields (penalties, `logprobs`, `response_format`, `tool_choice`, ...) are accepted and
-ignored; any other field is a 400, so a typo is not silently dropped.
+"""OpenAI's chat-completions wire format: the errors, a checked request (`ChatRequest`; the
+checking is `request.py`'s), the response and stream chunk bodies (the shapes of
+`openai.types.chat`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from openai.types.chat.completion_create_params import CompletionCreateParamsBase
-
 from composer_lightning.chat.tool_calls import call_start, may_begin, split_reply
-
-SESSION_HEADER = "x-session-id"
-SESSION_DONE_HEADER = "x-session-done"
-#: OpenClaw-RL's turn types: "main" turns are recorded and trained on; "side" turns (a judge's,
-#: a summariser's, any auxiliary call of the harness) are served and never recorded
-TURN_TYPE_HEADER = "x-turn-type"
-CLIENT_FIELDS = frozenset(
-    CompletionCreateParamsBase.__required_keys__ | CompletionCreateParamsBase.__optional_keys__
-)
-ACCEPTED_FIELDS = CLIENT_FIELDS | {"stream", "session_id", "session_done"}
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class ApiError(Exception):
@@ -44,6 +26,8 @@ class ApiError(Exception):
         code: str | None = None,
         type: str = "invalid_request_error",
     ) -> None:
+        # a message or field name may quote a client's text: kept sendable as UTF-8 JSON
+        message, param = (_sendable(x) for x in (message, param))
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
             status,
@@ -59,8 +43,9 @@ class ApiError(Exception):
         return {"error": {**error, "code": self.code}}
 
 
-def _bad(param: str, message: str, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
+def _sendable(text: str | None) -> str | None:
+    """`text` with what UTF-8 cannot carry (a lone surrogate) written as its escape."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -97,126 +82,6 @@ class ChatRequest:
     side: bool = False
 
 
-def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi and value > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise _bad(key, f"'{key}' must be an integer {bounds}, got {value!r}")
-    return value
-
-
-def _number(
-    body: dict[str, Any], key: str, lo: float, hi: float, default: float | None
-) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise _bad(key, f"'{key}' must be a number in [{lo}, {hi}], got {value!r}")
-    return float(value)
-
-
-def _message(i: int, m: Any) -> dict[str, Any]:
-    param = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise _bad(param, f"{param} must be an object with 'role' and 'content', got {m!r}")
-    if m.get("role") not in ROLES:
-        raise _bad(f"{param}.role", f"{param}.role must be one of {ROLES}, got {m.get('role')!r}")
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise _bad(f"{param}.content", f"{param}.content: only text parts are served")
-        content = "".join(str(p.get("text", "")) for p in content)
-    elif content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
-        raise _bad(f"{param}.content", f"{param}.content is missing (null needs tool_calls)")
-    elif content is not None and not isinstance(content, str):
-        raise _bad(f"{param}.content", f"{param}.content must be a string, got {content!r}")
-    return {**m, "content": content}
-
-
-def _stop(value: Any) -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if stops is None:
-        return []
-    if not (isinstance(stops, list) and len(stops) <= 4) or not all(
-        isinstance(s, str) and s for s in stops
-    ):
-        raise _bad("stop", f"'stop' must be a string or up to 4 non-empty strings, got {value!r}")
-    return list(stops)
-
-
-def _session(body: dict[str, Any], headers: dict[str, str], side: bool = False) -> tuple[str, bool]:
-    header, field = headers.get(SESSION_HEADER), body.get("session_id")
-    if field is not None and (not isinstance(field, str) or not field):
-        raise _bad("session_id", f"'session_id' must be a non-empty string, got {field!r}")
-    if header and field and header != field:
-        raise _bad("session_id", f"header X-Session-Id {header!r} != body session_id {field!r}")
-    session = header or field
-    if not session and not side:
-        raise _bad("session_id", "a session id is required: header X-Session-Id or 'session_id'")
-    done = body.get("session_done") or False
-    if not isinstance(done, bool):
-        raise _bad("session_done", f"'session_done' must be true or false, got {done!r}")
-    done = done or headers.get(SESSION_DONE_HEADER, "").lower() in ("1", "true")
-    return session, done
-
-
-def parse_request(body: Any, headers: dict[str, str], *, max_n: int) -> ChatRequest:
-    """Check a decoded JSON body (and the session headers) into a `ChatRequest`.
-
-    Raises:
-        ApiError: a 400 naming the bad field and what was expected.
-    """
-    if not isinstance(body, dict):
-        raise _bad("body", f"the body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - ACCEPTED_FIELDS)
-    if unknown:
-        raise _bad(unknown[0], f"unrecognized request argument supplied: {', '.join(unknown)}")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model", f"'model' must be a non-empty string, got {model!r}")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", f"'messages' must be a non-empty list, got {messages!r}")
-    tools = body.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, dict) and "type" in t for t in tools)
-    ):
-        raise _bad("tools", f"'tools' must be a list of tool objects with 'type', got {tools!r}")
-    if not isinstance(body.get("stream") or False, bool):
-        raise _bad("stream", f"'stream' must be true or false, got {body['stream']!r}")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _bad("stream_options", f"'stream_options' must be an object, got {options!r}")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _bad("user", f"'user' must be a string, got {user!r}")
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    turn_type = headers.get(TURN_TYPE_HEADER, "main").lower()
-    if turn_type not in ("main", "side"):
-        raise _bad("X-Turn-Type", f"header X-Turn-Type must be 'main' or 'side', got {turn_type!r}")
-    session, session_done = _session(body, headers, side=turn_type == "side")
-    return ChatRequest(
-        messages=[_message(i, m) for i, m in enumerate(messages)],
-        tools=tools or None,
-        model=model,
-        n=_int(body, "n", 1, max_n) or 1,
-        max_tokens=max_tokens if max_tokens is not None else _int(body, "max_tokens", 1),
-        temperature=_number(body, "temperature", 0.0, 2.0, None),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-        stop=_stop(body.get("stop")),
-        seed=_int(body, "seed", -(2**63)),
-        user=user,
-        stream=bool(body.get("stream")),
-        include_usage=bool(options.get("include_usage", False)),
-        session=session or "",
-        session_done=session_done,
-        side=turn_type == "side",
-    )
-
-
 @dataclass(frozen=True)
 class Choice:
     """One reply as served: its text (cut at a stop string) and why it ended; with tool calls,
@@ -229,14 +94,16 @@ class Choice:
 
 def with_tool_calls(choice: Choice, offered_tools: bool, fmt: str = "auto") -> Choice:
     """`choice` as OpenAI returns a reply that calls tools (`chat.tool_calls.split_reply`):
-    content = the text outside the calls (None when empty), `tool_calls`, finish reason
-    "tool_calls". Unchanged when the request offered no tools, the reply has no call, or it
+    content = the text outside the calls (None when empty), `tool_calls` (each with an id of its
+    own), finish reason "tool_calls". Unchanged when the request offered no tools, the reply has no call, or it
     was cut by `max_tokens`. Calls are read in format `fmt`."""
     if not offered_tools or choice.text is None or choice.finish_reason == "length":
         return choice
     content, calls = split_reply(choice.text, fmt=fmt)
     if not calls:
         return choice
+    # each call its own id, as OpenAI's are: a harness keys its tool results by them
+    calls = [dataclasses.replace(c, id=new_call_id()) for c in calls]
     return Choice(content or None, "tool_calls", [c.openai() for c in calls])
 
 
@@ -245,11 +112,17 @@ def new_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
+def new_call_id() -> str:
+    """A tool call's id in OpenAI's form (`call_` and 24 characters), unique per call."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def weights_label(version: int, launch: int = 0) -> str:
-    """The reply's `system_fingerprint`: `weights-v<version>`, and `-l<launch>` after it from
-    the second launch of a store on (`serve/lineage.py`), so no label names two sets of
-    weights."""
-    return f"weights-v{version}" if launch <= 1 else f"weights-v{version}-l{launch}"
+    """The reply's `system_fingerprint`: `weights-l<launch>-v<version>` (`weights-v<version>`
+    for an app serving no launch). No label names two sets of weights (`serve/lineage.py`), and
+    labels order as the weights were served: by launch, then by version (a resumed run's first
+    label, `l2-v33`, follows the lost run's last, `l1-v36`)."""
+    return f"weights-v{version}" if launch < 1 else f"weights-l{launch}-v{version}"
 
 
 def _head(req: ChatRequest, cid: str, kind: str, version: int, launch: int) -> dict[str, Any]:

@@ -7,11 +7,17 @@ life:
 
     recorded ──(next request of the session shows what followed it)──> ready
     recorded ──(session ended, or no next request within the timeout)──> ready (empty next state)
-    ready ──claim──> judging ──set_judged──> judged ──take_judged──> trained
+    ready ──claim──> judging ──set_judged──> judged ──take_judged──> taken
+    taken ──a checkpoint holding the step that took it is written──> trained
     judged ──take_judged on weights too many steps back──> dropped ("stale")
 
-Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn whose `record`
-returned survives a kill -9 or a power cut. A judge claims turns under a name; a claim that its
+A turn is `trained` only once a checkpoint holds the training step that took it
+(`confirm_trained`); at every start, turns that no restored checkpoint holds go back to `judged`
+(`untrain`), so a crash before any checkpoint loses none and a turn is trained exactly once.
+
+The file (and SQLite's -wal and -shm beside it) is readable by its owner only (0600): it holds
+what clients said. Every write is one transaction in WAL mode with `synchronous=FULL`, so a turn
+whose `record` returned survives a kill -9 or a power cut. A judge claims turns under a name; a claim that its
 owner never finished is taken back by the same name (`reclaim`, when a judge restarts) or by
 anyone once its lease has passed, and `set_judged` only lands for the current claimant of a `judging` turn:
 a judged turn is never judged again.
@@ -21,12 +27,13 @@ may share the file (`BEGIN IMMEDIATE` and a busy timeout order them).
 
 Why this file is long: it is the only code that writes the turns table. Each state change above
 is one method and one transaction, and the rules that make judging exactly-once and a resume's
-hand-back exact (claims, leases, retries, staleness, sessions' owners) hold only read together.
+hand-back exact (claims, leases, retries, staleness) hold only read together.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -36,8 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-State = Literal["recorded", "ready", "judging", "judged", "trained", "dropped"]
-STATES: tuple[State, ...] = ("recorded", "ready", "judging", "judged", "trained", "dropped")
+State = Literal["recorded", "ready", "judging", "judged", "taken", "trained", "dropped"]
+STATES: tuple[State, ...] = (
+    "recorded", "ready", "judging", "judged", "taken", "trained", "dropped"
+)  # fmt: skip
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -66,10 +75,6 @@ CREATE TABLE IF NOT EXISTS turns (
 );
 CREATE INDEX IF NOT EXISTS turns_state ON turns (state, id);
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session, turn_index);
-CREATE TABLE IF NOT EXISTS sessions (
-    session TEXT PRIMARY KEY,
-    owner TEXT NOT NULL
-);
 CREATE TABLE IF NOT EXISTS launches (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     parent INTEGER,
@@ -143,6 +148,19 @@ _ADDED_COLUMNS = (
 )
 
 
+def _private(path: str) -> None:
+    """Make the store's file readable by its owner only (0600), before SQLite opens it: it
+    holds what clients said. SQLite gives its -wal and -shm files the database's mode."""
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    if os.stat(path).st_mode & 0o077:  # a store an older release made readable by all
+        os.chmod(path, 0o600)
+        for side in (f"{path}-wal", f"{path}-shm"):
+            if os.path.exists(side):
+                os.chmod(side, 0o600)
+
+
 def _turn(row: sqlite3.Row) -> Turn:
     data = {k: row[k] for k in row.keys() if k not in ("claimed_at", "retry_at")}
     for k in _JSON_FIELDS:
@@ -160,6 +178,7 @@ class TurnStore:
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
         self.path = str(path)
+        _private(self.path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
@@ -287,16 +306,6 @@ class TurnStore:
         """Every launch: id -> (parent launch or None, start version) (`serve/lineage.py`)."""
         rows = self._read("SELECT id, parent, start_version FROM launches")
         return {int(r[0]): (None if r[1] is None else int(r[1]), int(r[2])) for r in rows}
-
-    def bind_session(self, session: str, owner: str) -> bool:
-        """Bind `session` to `owner` at its first request; whether `owner` holds it (a session
-        another owner holds is refused: nobody else can score, continue or end it)."""
-        with self._write() as db:
-            row = db.execute("SELECT owner FROM sessions WHERE session = ?", (session,)).fetchone()
-            if row is None:
-                db.execute("INSERT INTO sessions (session, owner) VALUES (?, ?)", (session, owner))
-                return True
-            return row[0] == owner
 
     def attach_next_state(
         self, session: str, messages: list[dict[str, Any]], fmt: str = "auto"
@@ -450,7 +459,10 @@ class TurnStore:
     def drop(self, turn_id: int, reason: str, *, claimant: str | None = None) -> bool:
         """Drop a turn that is not trained yet (a judge that cannot judge it; `claimant`: only
         while it holds the claim). Returns whether it was dropped."""
-        sql = "UPDATE turns SET state = 'dropped', drop_reason = ? WHERE id = ? AND state != 'trained'"
+        sql = (
+            "UPDATE turns SET state = 'dropped', drop_reason = ? WHERE id = ? "
+            "AND state NOT IN ('taken', 'trained')"
+        )
         args: tuple[Any, ...] = (reason, turn_id)
         if claimant is not None:
             sql += " AND state = 'judging' AND claimant = ?"
@@ -464,7 +476,8 @@ class TurnStore:
         min_version: int | None = None,
         stale: Callable[[int, int], bool] | None = None,
     ) -> list[Turn]:
-        """Hand up to `limit` judged turns to training, oldest first, marking them `trained`.
+        """Hand up to `limit` judged turns to a training step, oldest first, marking them
+        `taken` (`trained` once a checkpoint holds the step: `confirm_trained`).
 
         The choices of one request (a group) go together, once none of them waits for its
         judge (members dropped meanwhile are left out); a group is never split, and one larger
@@ -494,22 +507,44 @@ class TurnStore:
                     "UPDATE turns SET state = 'dropped', drop_reason = 'stale' WHERE id = ?", old
                 )
             ids = self._whole_groups(db, limit)
-            db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in ids])
+            db.executemany("UPDATE turns SET state = 'taken' WHERE id = ?", [(i,) for i in ids])
             return self._turns(db, ids)
 
-    def untrain(self, keep: list[int]) -> int:
-        """Hand `trained` turns not in `keep` back to training (`judged`): after a restart from
-        a checkpoint, the turns taken by steps the checkpoint does not hold.
+    def confirm_trained(self, held: list[int]) -> int:
+        """Mark the `taken` turns among `held` `trained`: call it once a checkpoint holding the
+        steps that took them is written. Returns how many."""
+        with self._write() as db:
+            taken = {int(r[0]) for r in db.execute("SELECT id FROM turns WHERE state = 'taken'")}
+            now = sorted(taken & {int(i) for i in held})
+            db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in now])
+            return len(now)
+
+    def untrain(self, keep: list[int] | None) -> int:
+        """Hand back to training (`judged`) the turns taken by steps that the weights a run
+        starts from do not hold; call it at every start.
+
+        Args:
+            keep: the turns the restored checkpoint's steps took (they are `trained`: that
+                checkpoint exists), every other `taken` or `trained` turn goes back; None (no
+                checkpoint restored): the `taken` turns go back, the `trained` ones (which
+                some checkpoint holds) stay.
 
         Returns:
             How many went back.
         """
-        kept = set(int(i) for i in keep)
         with self._write() as db:
-            ids = [r[0] for r in db.execute("SELECT id FROM turns WHERE state = 'trained'")]
-            back = [(i,) for i in ids if i not in kept]
-            db.executemany("UPDATE turns SET state = 'judged' WHERE id = ?", back)
-            return len(back)
+            if keep is None:
+                return db.execute(
+                    "UPDATE turns SET state = 'judged' WHERE state = 'taken'"
+                ).rowcount
+            kept = {int(i) for i in keep}
+            rows = db.execute("SELECT id FROM turns WHERE state IN ('taken', 'trained')")
+            ids = [int(r[0]) for r in rows]
+            db.executemany(
+                "UPDATE turns SET state = ? WHERE id = ?",
+                [("trained" if i in kept else "judged", i) for i in ids],
+            )
+            return sum(i not in kept for i in ids)
 
     def get(self, turn_id: int) -> Turn:
         """One turn by id (KeyError naming it when there is none)."""

@@ -23,8 +23,10 @@ A turn is trained on only if it was sampled as training samples are — at `samp
 with top_p = 1 and no top_k (the trainer's log-probs are those of that distribution); other
 requests (greedy evaluation, another temperature) are served and recorded but not trained on
 (dropped, "sampling"). The store is durable: after a crash (kill -9) and a restart every
-recorded turn is still there, a turn is judged once, and turns taken by a step that no
-checkpoint holds are handed back to training; the turns the lost weights served keep their
+recorded turn is still there, a turn is judged once, and a turn is `trained` in the store only
+once a checkpoint holds the step that took it: at every start (a crash before the first
+checkpoint included) turns taken by steps that no restored checkpoint holds go back to
+training; the turns the lost weights served keep their
 own place in the version tree (a resumed run's version numbers say nothing about them).
 
 Why this file is long: `ServeCallback` is the class a `serve` run configures as `rollout:`, and
@@ -34,6 +36,7 @@ hand-back, launch, serve, judge) and of its stop only holds read together.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -64,6 +67,7 @@ from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.moved import moved_attribute
 from composer_lightning.runtime.rundir import run_dir
 from composer_lightning.serve.lineage import distance
+from composer_lightning.serve.store import TurnStore
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
 from composer_lightning.training.canary import check_fingerprint
 
@@ -88,9 +92,10 @@ class ServeCallback(RolloutCallback):
         hint_role: role of the message that carries the hint.
         max_staleness: judged turns sampled more than this many versions ago are dropped.
         host, port: where to listen (127.0.0.1; port 0: a free one, printed at start).
-        api_key: the bearer token clients must send, or one per client (a session belongs to
-            the token of its first request; rate limits are per token); None: none (bound to
-            127.0.0.1 only, by default).
+        api_key: the bearer token clients must send, or one per client (sessions are owned
+            per key: no key reaches another's; rate limits are per key); None: none, one tenant
+            (every client may continue, score or end any session; said at start), bound to
+            127.0.0.1 by default (`serve/access.py`).
         model_name: the model id served at `/v1/models`.
         max_request_bytes, rate_limit_per_minute: request limits (413, 429).
         session_timeout_s: a turn whose session sends nothing more for this long is judged
@@ -154,10 +159,11 @@ class ServeCallback(RolloutCallback):
             raise ValueError(f"judge_backoff_s must be >= 0 seconds, got {judge_backoff_s!r}")
         self.judge_attempts, self.judge_backoff_s = judge_attempts, float(judge_backoff_s)
         self.store = self.server = self.backend = self.app = None
+        self._store_file = ""
         self.url: str | None = None
         self._judge: threading.Thread | None = None
         self._stop = threading.Event()
-        self._trained: list[int] = []  # turn ids taken by the steps done (checkpointed)
+        self._trained: list[int] = []  # turn ids taken by the steps done (what a checkpoint holds)
         self._restored_trained: list[int] | None = None
         self._launch = 0  # this start of the run (`TurnStore.begin_launch`)
         self._fingerprint_params = 0  # parameters the last push's fingerprint compared
@@ -171,7 +177,6 @@ class ServeCallback(RolloutCallback):
         `setup`, so only then are the turns a lost step took known, and the weights to serve
         pushed."""
         from composer_lightning.serve.backend import EngineBackend, StepBackend
-        from composer_lightning.serve.store import TurnStore
 
         if trainer.world_size > 1:
             raise ConfigError(
@@ -182,11 +187,41 @@ class ServeCallback(RolloutCallback):
         # vLLM schedules continuously and streams; other engines share calls (`backend.py`)
         kind = StepBackend if isinstance(self.engine, StepEngine) else EngineBackend
         self.backend = kind(self.engine, tokenizer, context=EngineContext.current())
-        self.store = TurnStore(store_file(trainer, self.store_path))
+        self._store_file = store_file(trainer, self.store_path)
+        self.store = TurnStore(self._store_file)
+        self._confirm_on_save(trainer.strategy)
+
+    def _confirm_on_save(self, strategy: Any) -> None:
+        """After each checkpoint is written (ModelCheckpoint's, the stop's `last.ckpt`), mark
+        the turns it holds `trained` in the store (`TurnStore.confirm_trained`): a turn is
+        trained once a checkpoint holding its step exists, and a write that fails confirms
+        nothing. (Lightning has no hook after a write: the strategy's save is wrapped, as
+        `runtime/checkpoint_io.atomic_saves` wraps it.)"""
+        save = strategy.save_checkpoint
+        if getattr(save, "confirms", None) is self:
+            return
+
+        @functools.wraps(save)
+        def save_checkpoint(
+            checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+        ) -> None:
+            save(checkpoint, filepath, storage_options)
+            state = (checkpoint.get("callbacks") or {}).get(self.state_key)
+            if state is None:
+                return
+            # the stop's save may come after this callback closed its store (on_exception)
+            store = self.store or TurnStore(self._store_file)
+            store.confirm_trained(state.get("trained", []))
+            if store is not self.store:
+                store.close()
+
+        save_checkpoint.confirms = self  # type: ignore[attr-defined]
+        strategy.save_checkpoint = save_checkpoint
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After the restore: push the (restored) weights, hand back the turns of steps no
         checkpoint holds, then serve and judge."""
+        from composer_lightning.serve.access import SINGLE_TENANT_NOTICE
         from composer_lightning.serve.app import make_app
         from composer_lightning.serve.server import BackgroundServer
 
@@ -194,12 +229,11 @@ class ServeCallback(RolloutCallback):
         self._launch = self.store.begin_launch(self._parent_launch, pl_module.policy_version)
         reclaimed = self.store.reclaim(JUDGE)  # claimed before a crash, never judged: now
         self._dropped_seen = self.store.counts().get("dropped/no signal", 0)
-        if self._restored_trained is not None:  # a step no checkpoint holds: hand them back
-            back = self.store.untrain(keep=self._restored_trained)
-            if back:
-                log.warning(
-                    "resumed: %d turns taken after the checkpoint go back to training", back
-                )
+        # turns taken by steps that these weights do not hold go back: those after the restored
+        # checkpoint, or, with none restored, every turn no checkpoint holds (a crash before one)
+        back = self.store.untrain(keep=self._restored_trained)
+        if back:
+            log.warning("%d turns taken by steps no checkpoint holds go back to training", back)
         self.app = make_app(
             self.backend,
             self.store,
@@ -215,6 +249,8 @@ class ServeCallback(RolloutCallback):
         )
         self.server = BackgroundServer(self.app, host=self.host, port=self.port)
         self.url = self.server.start()
+        if self.api_key is None:
+            print(SINGLE_TENANT_NOTICE, flush=True)
         print(f"composer_lightning: serving {self.model_name!r} at {self.url}/v1", flush=True)
         self._stop.clear()
         self._judge = threading.Thread(
@@ -334,7 +370,9 @@ class ServeCallback(RolloutCallback):
                 "serve/requests": float(served.requests),
                 "serve/sessions": float(counts.get("sessions", 0)),
                 "serve/turns_recorded": float(served.turns_recorded),
-                "serve/turns_judged": float(counts.get("judged", 0) + counts.get("trained", 0)),
+                "serve/turns_judged": float(
+                    counts.get("judged", 0) + counts.get("taken", 0) + counts.get("trained", 0)
+                ),
                 "serve/queue": float(counts.get("judged", 0)),
                 "serve/dropped_stale": float(counts.get("dropped/stale", 0)),
                 "serve/dropped_judge_failed": float(counts.get("dropped/judge_failed", 0)),

@@ -31,6 +31,7 @@ import re
 from importlib import resources
 from typing import Any
 
+from composer_lightning.chat.literal import literal_ids, render_literal
 from composer_lightning.engines.base import ChatEngine, RolloutEngine, SamplingConfig
 from composer_lightning.tasks.base import HintProvider, Problem, ScoreProvider
 
@@ -178,13 +179,16 @@ class _Judge:
         return _PLACEHOLDER.sub(lambda m: values[m.group(1)], self.template)
 
     def prompt_ids(self, text: str) -> list[int]:
-        """Token ids of the judge prompt (chat template when the tokenizer has one)."""
+        """Token ids of the judge prompt (chat template when the tokenizer has one), its text
+        plain text: it quotes the judged conversation (a client's own words, in `serve`), whose
+        special tokens' strings must not become the judge's control tokens (a forged turn
+        ending the judge's prompt with a verdict of the client's choosing)."""
         if getattr(self.tokenizer, "chat_template", None):
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            render = lambda chat, _: self.tokenizer.apply_chat_template(  # noqa: E731
+                chat, tokenize=False, add_generation_prompt=True
             )
-            return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        return list(self.tokenizer(text)["input_ids"])
+            return render_literal(self.tokenizer, render, [{"role": "user", "content": text}], None)
+        return literal_ids(self.tokenizer, text, add_special_tokens=True)
 
     def vote_texts(
         self, problems: list[Problem], completions: list[str]

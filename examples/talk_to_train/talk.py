@@ -49,8 +49,8 @@ def the_task():
 
 
 def version(response) -> int:
-    """The served weight version (`system_fingerprint` is `weights-v<N>`)."""
-    return int(re.search(r"\d+", response.system_fingerprint or "v0").group())
+    """The served weight version (`system_fingerprint` is `weights-l<launch>-v<N>`)."""
+    return int(re.search(r"v(\d+)", response.system_fingerprint or "v0").group(1))
 
 
 def ask(client, messages, session, done=False, **kwargs):

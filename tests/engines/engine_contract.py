@@ -213,6 +213,16 @@ def check_determinism(engine, policy) -> dict:
     return {}
 
 
+def check_tiny_temperature(engine, policy) -> dict:
+    """A temperature above 0 but below `GREEDY_BELOW` (1e-300: valid, and what a client may
+    send) decodes greedily, as vLLM's engine does: divided by it, transformers' logits
+    overflowed into NaN probabilities and the call failed."""
+    greedy = engine.generate(PROMPTS, 1, SamplingConfig(temperature=0.0, max_tokens=6))
+    tiny = engine.generate(PROMPTS, 1, SamplingConfig(temperature=1e-300, max_tokens=6))
+    assert [r[0].token_ids for r in tiny] == [r[0].token_ids for r in greedy]
+    return {}
+
+
 def check_bad_requests(engine, policy) -> dict:
     for prompts, n in ([PROMPTS[0]], 0), ([[]], 1):
         try:
@@ -297,6 +307,7 @@ CHECKS = {
     "push": check_push,
     "determinism": check_determinism,
     "bad_requests": check_bad_requests,
+    "tiny_temperature": check_tiny_temperature,
 }
 # Checks of VLLMEngine's own scheduling, run after CHECKS in the vLLM subprocess.
 VLLM_CHECKS = {"over_budget_call": check_over_budget_call, "step_stream": check_step_stream}

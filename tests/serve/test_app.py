@@ -18,6 +18,7 @@ from composer_lightning.chat import render_ids
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.serve import BackgroundServer, EngineBackend, TurnStore, make_app
+from composer_lightning.serve.access import session_key
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -69,6 +70,11 @@ def _chat(served, session, messages, **kwargs):
     )  # fmt: skip
 
 
+def _turns(served, session: str) -> list:
+    """The turns of the fixture client's session `session` (its key's: `session_key`)."""
+    return served.store.session_turns(session_key(KEY, session))
+
+
 def _post(served, body, headers=None, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "raw", **(headers or {})}
     content = body if not isinstance(body, dict) else json.dumps(body).encode()
@@ -111,7 +117,7 @@ def test_concurrent_sessions_record_every_turn_with_its_next_state(served):
     for t in threads:
         t.join()
     for session in ("alpha", "beta"):
-        turns = served.store.session_turns(session)
+        turns = _turns(served, session)
         assert [t.turn_index for t in turns] == [0, 1, 2]
         for t, request, reply in zip(turns, requests[session], replies[session], strict=True):
             assert t.messages == request
@@ -135,7 +141,7 @@ def test_a_weight_push_lands_between_requests_and_is_recorded(served):
     try:
         reply = _chat(served, "pushed", [{"role": "user", "content": "x"}])
         assert reply.system_fingerprint == "weights-v7"
-        assert served.store.session_turns("pushed")[0].version == 7
+        assert _turns(served, "pushed")[0].version == 7
     finally:
         served.backend.push(iter(()), 0)
 
@@ -159,7 +165,7 @@ def test_stream_sends_openai_chunks_and_records_every_choice_as_one_group(served
             text[c.index] += c.delta.content or ""
             finish[c.index] = c.finish_reason or finish.get(c.index)
         usage = chunk.usage or usage
-    turns = served.store.session_turns("streamed")  # every choice, one group
+    turns = _turns(served, "streamed")  # every choice, one group
     assert [t.response_text for t in turns] == [text[0], text[1]]
     assert [t.group for t in turns] == [turns[0].id] * 2 and [t.choice for t in turns] == [0, 1]
     assert set(finish.values()) <= {"stop", "length"} and len(finish) == 2
@@ -169,7 +175,7 @@ def test_stream_sends_openai_chunks_and_records_every_choice_as_one_group(served
         {"role": "user", "content": "s"}, {"role": "assistant", "content": text[1]},
         {"role": "user", "content": "more"},
     ])  # fmt: skip
-    first, second, _ = served.store.session_turns("streamed")
+    first, second, _ = _turns(served, "streamed")
     assert (second.ready_reason, second.next_state) == ("next", [{"role": "user", "content": "more"}])  # fmt: skip
     assert (first.ready_reason, first.next_state) == ("not_continued", [])
     raw = _post(served, _ok_body(stream=True), {"X-Session-Id": "raw-stream"})
@@ -196,10 +202,10 @@ def test_n_choices_stop_strings_and_client_fields(served):
     )  # fmt: skip
     assert cut.choices[0].message.content == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    (turn,) = served.store.session_turns("stopped")
+    (turn,) = _turns(served, "stopped")
     assert turn.tools[0]["function"]["name"] == "f"
     assert stop in served.tok.decode(turn.response_ids, skip_special_tokens=True)
-    assert len(turn.response_ids) < len(served.store.session_turns("greedy")[0].response_ids)
+    assert len(turn.response_ids) < len(_turns(served, "greedy")[0].response_ids)
 
 
 BAD_BODIES = [
@@ -242,9 +248,15 @@ def test_an_oversized_body_without_content_length_is_refused_while_read(served):
 def test_missing_session_bad_key_and_unknown_path(served):
     r = _post(served, _ok_body(), {"X-Session-Id": ""})
     assert r.status_code == 400 and "X-Session-Id" in r.json()["error"]["message"]
-    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""}):
+    for headers in (
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": ""},
+        {"Authorization": KEY},
+    ):
         r = _post(served, _ok_body(), headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for scheme in ("bearer", "BEARER", "Bearer "):  # RFC 7235: the scheme in any case
+        assert _post(served, _ok_body(), {"Authorization": f"{scheme} {KEY}"}).status_code == 200
     bad = openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -381,23 +393,23 @@ def test_the_training_sampling_is_the_default_and_an_untrainable_turn_is_recorde
     assert [i for i in default.prompt_ids if i in controls] == [i for i in neutral if i in controls]
 
 
-def test_a_session_belongs_to_its_key_limits_are_per_key_and_side_turns_are_not_recorded(
+def test_sessions_are_owned_per_key_limits_are_per_key_and_side_turns_are_not_recorded(
     served, tmp_path
 ):
-    """Two clients with their own keys: the second cannot continue, score or end the first's
-    session (403, nothing recorded or ended), each has its own rate-limit bucket, a wrong key
-    is refused; a side turn (`X-Turn-Type: side`) is served without a session and not
-    recorded."""
+    """Two clients with their own keys name the same session ids: each reaches its own session
+    only. B's request for A's "mine" neither continues, scores nor ends A's (and is answered as
+    any new id of B's is: nothing tells B that A uses it); B taking "next" first does not squat
+    it for A. Each key has its own rate-limit bucket, a wrong key is refused; a side turn
+    (`X-Turn-Type: side`) is served without a session and not recorded."""
     store = TurnStore(tmp_path / "turns.db")
     app = make_app(
         served.backend, store, model_name=MODEL, api_key=["key-a", "key-b"], rate_limit_per_minute=3
     )
     messages = [{"role": "user", "content": "What is 1 + 2?"}]
 
-    def ask(client, session, **extra):
+    def ask(client, session, messages=messages, **extra):
         return client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=2, extra_body={"session_id": session},
-            **extra,
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"session_id": session, **extra},
         )  # fmt: skip
 
     with BackgroundServer(app) as server:
@@ -405,25 +417,24 @@ def test_a_session_belongs_to_its_key_limits_are_per_key_and_side_turns_are_not_
             openai.OpenAI(base_url=f"{server.url}/v1", api_key=k, max_retries=0)
             for k in ("key-a", "key-b", "key-c")
         )
-        ask(a, "mine")
-        reply = [*messages, {"role": "assistant", "content": "3"}, {"role": "user", "content": "Correct"}]  # fmt: skip
-        with pytest.raises(openai.PermissionDeniedError) as e:
-            b.chat.completions.create(
-                model=MODEL, messages=reply, max_tokens=2,
-                extra_body={"session_id": "mine", "session_done": True},
-            )  # fmt: skip
-        assert e.value.body["code"] == "session_forbidden"
-        (turn,) = store.session_turns("mine")
-        assert turn.state == "recorded" and turn.next_state is None  # b neither scored nor ended
+        reply = ask(a, "mine").choices[0].message.content
+        follow = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "Correct"}]  # fmt: skip
+        ask(b, "mine", follow, session_done=True)  # B's own "mine"
+        ask(b, "next")
+        ask(a, "next")  # A's own "next", though B used the id first
         with pytest.raises(openai.AuthenticationError):
             ask(c, "other")
-        ask(b, "theirs")  # b's own bucket: 2 of 3 used (the refused one counted)
         side = b.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=2, extra_headers={"X-Turn-Type": "side"}
         )
         assert side.choices[0].message.content is not None
         with pytest.raises(openai.RateLimitError):
-            ask(b, "theirs")
-        ask(a, "mine2")  # a's bucket is its own
-    assert {t.session for t in store.session_turns("theirs")} == {"theirs"}
-    assert store.counts()["sessions"] == 3  # mine, theirs, mine2: the side turn made none
+            ask(b, "theirs")  # B's 4th request in the minute
+        ask(a, "mine2")  # A's bucket is its own: its 3rd
+    (turn,) = store.session_turns(session_key("key-a", "mine"))
+    assert turn.state == "recorded" and turn.next_state is None  # B neither scored nor ended it
+    (theirs,) = store.session_turns(session_key("key-b", "mine"))
+    assert theirs.messages == follow and theirs.state == "ready"  # ended: B's own session
+    assert [len(store.session_turns(session_key(k, "next"))) for k in ("key-a", "key-b")] == [1, 1]
+    assert store.session_turns("mine") == []  # no id is shared between keys
+    assert store.counts()["sessions"] == 5  # a's mine, next, mine2; b's mine, next

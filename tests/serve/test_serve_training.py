@@ -93,7 +93,8 @@ CHECKPOINT_EVERY_STEP = (
 )
 
 
-def _serve(workdir, env, *extra, callbacks=CHECKPOINT_EVERY_STEP, batch_size=4):
+def _serve(workdir, env, *extra, callbacks=CHECKPOINT_EVERY_STEP, batch_size=4, out=None):
+    """A `serve` process and its URL, once it serves; `out` gets the lines printed before."""
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "composer_lightning", "serve",
@@ -111,6 +112,8 @@ def _serve(workdir, env, *extra, callbacks=CHECKPOINT_EVERY_STEP, batch_size=4):
         start_new_session=True,
     )  # fmt: skip
     for line in proc.stdout:
+        if out is not None:
+            out.append(line.rstrip("\n"))
         if "serving" in line and "http://" in line:
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, line.split(" at ")[1].strip()
@@ -174,9 +177,9 @@ def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
         first = talk.ask(openai.OpenAI(base_url=url, api_key="none"), [{"role": "user", "content": "1 + 1?"}], "c", done=True)  # fmt: skip
         # served only once the restored weights are in the engine (never the base weights),
         # under labels of the second launch: no label names the lost weights and these both
-        label = re.fullmatch(r"weights-v(\d+)-l(\d+)", first.system_fingerprint)
-        assert label and int(label[2]) == 2, first.system_fingerprint
-        assert int(label[1]) >= restored["policy_version"] > 0
+        label = re.fullmatch(r"weights-l(\d+)-v(\d+)", first.system_fingerprint)
+        assert label and int(label[1]) == 2, first.system_fingerprint
+        assert int(label[2]) >= restored["policy_version"] > 0
         _talk(url, 2, "b")
         time.sleep(1)
         after = sqlite3.connect(db).execute("SELECT id FROM turns").fetchall()
@@ -189,10 +192,10 @@ def test_kill_9_and_a_restart_keep_every_turn_and_judge_none_twice(tmp_path):
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM
 
 
-def _trained(db: str) -> set[int]:
-    return {
-        i for (i,) in sqlite3.connect(db).execute("SELECT id FROM turns WHERE state = 'trained'")
-    }
+def _trained(db: str, states: tuple[str, ...] = ("trained",)) -> set[int]:
+    marks = ",".join("?" * len(states))
+    rows = sqlite3.connect(db).execute(f"SELECT id FROM turns WHERE state IN ({marks})", states)
+    return {i for (i,) in rows}
 
 
 def _checkpointed(path: str) -> set[int]:
@@ -220,8 +223,9 @@ def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_p
     assert proc.wait(timeout=300) == -signal.SIGKILL
     db = str(tmp_path / "turns.sqlite")
     (last,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "last.ckpt"]
-    kept, taken = _checkpointed(last), _trained(db)
+    kept, taken = _checkpointed(last), _trained(db, ("taken", "trained"))
     assert len(kept) == 10 and kept < taken and len(taken) >= 13  # steps 11-13 took turns
+    assert _trained(db) == kept  # trained: what a checkpoint holds; the rest only taken
     proc, url = _serve(
         tmp_path, env, fresh, f"--ckpt_path={last}", "--trainer.max_steps=13",
         callbacks=callbacks, batch_size=1,
@@ -235,6 +239,43 @@ def test_turns_of_steps_no_checkpoint_holds_are_trained_again_after_kill_9(tmp_p
     # the resumed run is the store's second launch, a child of the first at version 10
     launches = sqlite3.connect(db).execute("SELECT id, parent, start_version FROM launches")
     assert sorted(launches) == [(1, None, 0), (2, 1, 10)]
+
+
+def test_turns_taken_before_the_first_checkpoint_go_back_after_kill_9(tmp_path):
+    """Issue 50, point 10: no checkpoint is configured; four users talk until steps took turns,
+    kill -9, and a restart on the same store (no checkpoint to pass) hands every turn those
+    steps took back to training: none stayed `trained`, since no checkpoint holds it. After the
+    restarted run's SIGTERM the store's trained turns are exactly its `last.ckpt`'s. Without an
+    api_key serve says at start that it is one tenant (issue 50, point 12)."""
+    from composer_lightning.serve.access import SINGLE_TENANT_NOTICE
+
+    env, db = {"JUDGED_LOG": str(tmp_path / "judged.log")}, str(tmp_path / "turns.sqlite")
+    fresh = "--rollout.init_args.max_staleness=1000"  # the restart is a new root: none stale
+    lines: list[str] = []
+    proc, url = _serve(tmp_path, env, fresh, callbacks="--trainer.callbacks=[]", out=lines)
+    assert SINGLE_TENANT_NOTICE in lines
+    steps_took = lambda: len(_trained(db, ("taken", "trained"))) >= 8  # noqa: E731  (two steps)
+    users = [threading.Thread(target=_talk, args=(url, 100, f"u{k}", steps_took)) for k in range(4)]  # fmt: skip
+    for user in users:
+        user.start()
+    for user in users:
+        user.join()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    taken = _trained(db, ("taken", "trained"))
+    assert len(taken) >= 8 and _trained(db) == set()  # no checkpoint holds their steps
+    lines = []
+    proc, url = _serve(tmp_path, env, fresh, callbacks="--trainer.callbacks=[]", out=lines)
+    try:
+        back = [line for line in lines if "go back to training" in line]
+        assert back and back[0].startswith(f"{len(taken)} turns"), lines[-20:]
+        _talk(url, 2, "after")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    (last,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "last.ckpt"]
+    assert _trained(db) == _checkpointed(last)
+    assert not taken & _trained(db, ("taken",)) - _checkpointed(last)  # none stuck as taken
 
 
 def test_the_store_defaults_to_the_run_directory_and_its_directory_is_made(tmp_path):

@@ -190,7 +190,7 @@ def test_take_judged_drops_stale_turns_and_counts_them(tmp_path):
     for t in store.claim_ready(10, claimant="j"):
         store.set_judged(t.id, float(t.version), None, claimant="j")
     taken = store.take_judged(1, min_version=2)
-    assert [t.id for t in taken] == [ids[2]] and taken[0].state == "trained"
+    assert [t.id for t in taken] == [ids[2]] and taken[0].state == "taken"
     counts = store.counts()
     assert (counts["dropped"], counts["dropped/stale"], counts["judged"]) == (2, 2, 1)
     assert [t.id for t in store.take_judged(10)] == [ids[3]]
@@ -284,6 +284,36 @@ def test_the_choices_of_one_request_are_one_group_judged_apart_and_trained_toget
     assert [t.id for t in store.take_judged(1)] == [ids[0], ids[1]]  # whole, over the limit
 
 
+def test_a_turn_is_trained_only_once_a_checkpoint_holds_it(tmp_path):
+    """Issue 50, point 10: turns a step takes are `taken` until a checkpoint holding that step
+    is written (`trained`); a start without a checkpoint to restore (a crash before the first)
+    hands every `taken` turn back and keeps the `trained` ones, a start from a checkpoint keeps
+    exactly the turns it holds."""
+    db = tmp_path / "turns.db"
+    store = TurnStore(db)
+    ids = [_record(store, f"s{i}", [USER], "r") for i in range(6)]
+    for i in range(6):
+        store.end_session(f"s{i}")
+    for t in store.claim_ready(10, claimant="j"):
+        store.set_judged(t.id, 1.0, None, claimant="j")
+    step1 = [t.id for t in store.take_judged(2)]
+    assert store.confirm_trained(step1) == 2  # a checkpoint holding step 1 was written
+    step2 = [t.id for t in store.take_judged(2)]  # no checkpoint holds step 2
+    assert store.confirm_trained(step1) == 0  # confirmed once
+    store.close()
+    store = TurnStore(db)  # the restart: no checkpoint to restore
+    assert store.untrain(keep=None) == 2
+    assert [store.get(i).state for i in ids] == ["trained"] * 2 + ["judged"] * 4
+    again = [t.id for t in store.take_judged(4)]
+    assert again == step2 + ids[4:]
+    # a restart from the checkpoint of step 1 (its steps took step1): every other turn goes back
+    assert store.untrain(keep=step1) == 4
+    assert [store.get(i).state for i in ids] == ["trained"] * 2 + ["judged"] * 4
+    store.take_judged(2)
+    assert store.untrain(keep=[*step1, *step2]) == 0  # a checkpoint that holds them: trained
+    assert [store.get(i).state for i in ids] == ["trained"] * 4 + ["judged"] * 2
+
+
 def test_take_judged_never_splits_a_group_to_fill_a_batch(tmp_path):
     store = TurnStore(tmp_path / "turns.db")
     first = _record(store, "a", [USER], "x")
@@ -296,3 +326,23 @@ def test_take_judged_never_splits_a_group_to_fill_a_batch(tmp_path):
     assert [t.id for t in store.take_judged(2)] == [first]  # the group would not fit
     assert [t.id for t in store.take_judged(2)] == group
     assert [t.id for t in store.take_judged(2)] == [last]
+
+
+def test_the_store_is_readable_by_its_owner_only(tmp_path):
+    """It holds what clients said: 0600 for the file and SQLite's -wal and -shm beside it,
+    whatever the umask; a store an older release left readable by all is made private."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        store = TurnStore(tmp_path / "turns.db")
+        _record(store, "s", [USER], "x")
+        files = [tmp_path / f for f in ("turns.db", "turns.db-wal", "turns.db-shm")]
+        assert [stat.S_IMODE(os.stat(f).st_mode) for f in files] == [0o600] * 3
+        store.close()  # SQLite removes its -wal and -shm files
+        os.chmod(files[0], 0o644)
+        TurnStore(tmp_path / "turns.db").close()
+        assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
+    finally:
+        os.umask(old)

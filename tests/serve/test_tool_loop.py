@@ -53,6 +53,7 @@ def test_a_function_calling_loop_through_the_openai_client(tmp_path):
     assert streamed[-1].finish_reason == "tool_calls"
     (delta,) = [d.delta.tool_calls[0] for d in streamed if d.delta.tool_calls]
     assert (delta.index, delta.function.name) == (0, "add")
+    assert delta.id != call.id  # each call its own id, as OpenAI's
     turn0, turn1 = store.session_turns("agent")
     assert turn0.next_state == [{"role": "tool", "tool_call_id": call.id, "content": str(result)}]
     assert "<tool_call>" in turn0.response_text  # recorded as the model wrote it
