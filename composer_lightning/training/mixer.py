@@ -62,3 +62,28 @@ def grad_norm_scales(sq_norms: dict[str, float], reference: str) -> dict[str, fl
     return {
         name: math.sqrt(ref / sq) if sq > 0 and ref > 0 else 1.0 for name, sq in sq_norms.items()
     }
+
+
+def teacher_cap_scales(
+    gram: Tensor, names: list[str], teachers: set[str], cap: float
+) -> dict[str, float]:
+    """Per-head multipliers that cap each teacher head's pull at `cap` times the others'.
+
+    With `g_h` each weighted piece's gradient (the rows of `gram`, `[H, H]`, in the order of
+    `names`) and `g_rest` the sum of the pieces that read no teacher: a teacher head h is
+    scaled by `min(1, cap · ‖g_rest‖ / ‖g_h‖)`, so its gradient is never more than `cap` times
+    the rest's (with no rest gradient, 0: a teacher signal never leads alone); the others keep
+    1. `cap` bounds a norm, not a direction: the pieces stay as they are otherwise.
+    """
+    rest = [i for i, n in enumerate(names) if n not in teachers]
+    idx = torch.tensor(rest, dtype=torch.long)
+    rest_sq = float(gram[idx][:, idx].sum()) if rest else 0.0
+    rest_norm = math.sqrt(max(rest_sq, 0.0))
+    scales = {}
+    for i, name in enumerate(names):
+        own = math.sqrt(max(float(gram[i, i]), 0.0))
+        if name not in teachers or own == 0.0:
+            scales[name] = 1.0
+        else:
+            scales[name] = min(1.0, cap * rest_norm / own)
+    return scales

@@ -121,6 +121,12 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             Costs one backward through the chunked LM head per head every step (and, with
             micro-batches, keeps the minibatch's `[B, T, H]` states). Exclusive with
             `variance_matching`. None disables it.
+        teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) pulls on the
+            policy at most `teacher_cap` times as hard as the other heads together (the RL
+            signal), measured each minibatch at the final hidden states, and 0 where they have
+            no gradient: a teacher's per-token signal refines what RL learns, never leads it
+            alone (`Objective`). Logged as `<head>/weight` and `<head>/cap_scale`. None:
+            uncapped (the behaviour before); ignored with either matching option.
         grad_share_every_n_steps: every N optimizer steps, log each head's `<head>/grad_norm`
             (‖g_h‖ at the final hidden states) and `<head>/grad_share` (<g_h, g> / ‖g‖², g the
             sum over heads: the shares sum to 1; a negative one pulls against the others),
@@ -208,6 +214,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         mixing: Mixing = "advantage",
         variance_matching: str | None = None,
         grad_norm_matching: str | None = None,
+        teacher_cap: float | None = 1.0,
         grad_share_every_n_steps: int = 0,
         ppo_epochs: int = 1,
         minibatches: int = 1,
@@ -250,6 +257,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             variance_matching=variance_matching,
             importance_cap=importance_cap,
             grad_norm_matching=grad_norm_matching,
+            teacher_cap=teacher_cap,
             loss_mode=loss_mode,
             importance_sampling_level=importance_sampling_level,
             sapo_temperature_pos=sapo_temperature_pos,
@@ -450,7 +458,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             requirements = self.objective.requirements(weights)
             plan = None if plans is None else plans[part]
             measure = self._measures_gradients()
-            at_states = measure or self.objective.grad_norm_matching is not None
+            at_states = measure or self.objective.measures_gradients(weights)
             scores = (
                 None
                 if plan is None
