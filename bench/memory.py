@@ -146,7 +146,7 @@ class FullLogitsModule(ComposerModule):
             behavior_logprobs=behavior_logprobs,
         )
 
-    def step_context(self, mb, needs, targets=None, scores=None):
+    def step_context(self, mb, needs, targets=None, scores=None, rollout=None, rows=None):
         logits = logits_of(self.policy, mb.input_ids, mb.attention_mask)  # [B, T, V]
         logprobs = logprobs_from_logits(logits, mb.input_ids, self.temperature)
         shifted = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
@@ -169,6 +169,8 @@ class FullLogitsModule(ComposerModule):
             norm_length=mb.max_response_length,
             temperature=self.temperature,
             behavior_logprobs=targets.behavior_logprobs,
+            rollout=rollout,
+            rows=rows,
             _provided=provided,
             _policy_forward=policy_forward,
         )
@@ -231,6 +233,9 @@ def worker(
         policy,
         heads,
         max_logprob_gap=None,
+        # both paths compute the same objective; the cap's gradient measurement (the teachers'
+        # pull against the rest) is not the logits path this bench weighs
+        teacher_cap=None,
         activation_checkpointing=checkpointing,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6),
         **micro,
