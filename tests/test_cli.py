@@ -43,6 +43,7 @@ def test_broken_plugin_is_reported_by_name_without_hiding_the_others(tmp_path):
         assert f"composer_lightning.heads.{name}." in out.stdout
 
 
+@pytest.mark.slow  # pip installs the plugin, then a fit in a process of its own
 def test_plugin_package_installs_and_trains_one_step(tmp_path):
     target = tmp_path / "site"
     pip = subprocess.run(
@@ -85,6 +86,7 @@ def test_unknown_head_class_is_a_clear_error(tmp_path, capfd):
     assert "composer_lightning.heads.nope.NopeHead" in out.stderr
 
 
+@pytest.mark.slow  # a fit through the command line
 def test_synthetic_demo_config_trains(tmp_path):
     out = run_cli(
         "fit",

@@ -120,6 +120,7 @@ report_to: none
 """
 
 
+@pytest.mark.slow  # a validate run through the command line
 def test_a_trl_config_converts_and_validates(tmp_path):
     """~30 fields of a TRL GRPO config: each carried to the option the page names (the batch
     shape, the loss, the KL head, the clip, the rewards), each of the others one comment line;
