@@ -21,6 +21,7 @@ from tests.helpers import ROOT, run_cli, run_main, tiny_model
 BUILTINS = ["dr_grpo", "kl", "opd", "replay_dpo", "sdpo"]
 
 
+@pytest.mark.slow  # the command line in a process of its own
 def test_heads_lists_every_builtin():
     out = run_cli("heads")
     assert out.returncode == 0, out.stderr
@@ -28,6 +29,7 @@ def test_heads_lists_every_builtin():
         assert f"{name} " in out.stdout and f"composer_lightning.heads.{name}." in out.stdout
 
 
+@pytest.mark.slow  # the command line in a process of its own
 def test_broken_plugin_is_reported_by_name_without_hiding_the_others(tmp_path):
     dist = tmp_path / "broken_plugin-0.1.dist-info"
     dist.mkdir()
@@ -391,6 +393,7 @@ def test_a_nested_option_written_in_yaml_can_be_overridden_on_the_command_line(
     assert {k: init[k] for k in expected} == expected
 
 
+@pytest.mark.slow  # the command line in a process of its own
 def test_the_top_level_help_lists_every_command():
     out = run_cli("--help")
     assert out.returncode == 0

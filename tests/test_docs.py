@@ -81,6 +81,7 @@ def run_command(line: str, capfd) -> None:
         Path(out_file).write_text(done.stdout)
 
 
+@pytest.mark.slow  # each tutorial trains tiny models end to end
 @pytest.mark.parametrize("page", TUTORIALS, ids=lambda p: p.name)
 def test_a_tutorial_runs(page, tmp_path, capfd, monkeypatch):
     for name in LINKED:

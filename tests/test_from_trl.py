@@ -195,6 +195,7 @@ def test_cispo_and_sapo_convert_to_their_loss_modes(tmp_path, loss_type, extra, 
     assert {k: config["model"][k] for k in want} == want
 
 
+@pytest.mark.slow  # the command line in a process of its own, per case
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
