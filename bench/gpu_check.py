@@ -16,7 +16,7 @@ Without vLLM installed it says so and uses `HFEngine` instead.
 Prints one JSON report: s/step (median after the first), generated tokens/s, peak GPU memory,
 MFU (model FLOPs of the trainer's forwards and backwards / step time / the GPU's bf16 peak),
 and the canary gap. A watchdog ends the run after `--time-limit` seconds (default 7 minutes)
-and prints what it has. Record the output in docs/benchmarks.md.
+and prints what it has. Record the output in docs/benchmarks/gpu.md.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ table counts, for each, the replies that call a tool, that make the right next c
 (`add(partial, next number)`, complete, as the environment would run it) and that answer. A
 teacher that makes the right call where the student answers holds what OPD and SDPO are to
 teach; whether they carry it into the student is another matter (they score the student's own
-tokens: docs/benchmarks.md, "After SFT").
+tokens: docs/benchmarks/smollm2_tools.md, "After SFT").
 """
 
 from __future__ import annotations

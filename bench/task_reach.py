@@ -12,7 +12,7 @@ as `--hint-role` places it: `inline`, `user` or `system`). The table gives each 
 greedy and sampled accuracy and the share of groups holding both a right and a wrong reply
 (where Dr. GRPO has a signal). A task whose student is near 0 sampled, with few mixed groups,
 is sparse for RL alone; a teacher well above it holds what OPD and SDPO are to teach (whether
-they carry it into the student is what training measures: docs/benchmarks.md, "A sparse task").
+they carry it into the student is what training measures: docs/benchmarks/smollm2_sparse.md, "A sparse task").
 """
 
 from __future__ import annotations

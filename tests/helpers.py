@@ -46,13 +46,13 @@ def run_cli(
     )
 
 
-def run_main(capfd, *args: str) -> subprocess.CompletedProcess:
+def run_main(capfd, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """`python -m composer_lightning ARGS` run inside the test process, with its exit status
     and its output as `run_cli` returns them: for a run that ends at its configuration (a
     one-line error, `--print_config`) before any model is trained or engine started. It saves
     a new interpreter's imports (≈ 7 s) per case; a run that trains or starts vLLM (which
-    changes the process it runs in) takes `run_cli`. The environment and working directory are
-    `run_cli`'s, and put back afterwards."""
+    changes the process it runs in) takes `run_cli`. The environment and working directory
+    (`cwd`) are `run_cli`'s, and put back afterwards."""
     from unittest import mock
 
     from composer_lightning.cli import main
@@ -61,7 +61,7 @@ def run_main(capfd, *args: str) -> subprocess.CompletedProcess:
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # the arguments go to main(); pytest's own are not the run's (LightningCLI warns on both)
     with mock.patch.dict(os.environ, env), mock.patch.object(sys, "argv", sys.argv[:1]):
-        with contextlib.chdir(ROOT):
+        with contextlib.chdir(cwd):
             status = _main_status(main, list(args))
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(["composer_lightning", *args], status, out, err)

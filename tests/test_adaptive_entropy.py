@@ -108,6 +108,7 @@ def test_the_module_steers_by_the_measured_entropy_and_resumes_with_it(tmp_path)
     assert (control.coef, control.last) == pytest.approx((0.05, steered.seen[1][1]))
 
 
+@pytest.mark.slow  # a fit through the command line
 def test_adaptive_entropy_from_the_command_line(tmp_path):
     out = run_cli(
         "fit",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import lightning as L
+import pytest
 import torch
 
 from composer_lightning.datamodules.rollout import RolloutDataModule
@@ -62,6 +63,7 @@ class _Steps(L.Callback):
         self.seen.append((rb.batch_size, len(set(rb.episode_ids.tolist())), rb.has_teacher.sum()))
 
 
+@pytest.mark.slow  # trains, validates and resumes tool episodes end to end
 def test_tool_episodes_train_validate_and_resume_exactly(tmp_path):
     ckpt = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1

@@ -24,6 +24,8 @@ from composer_lightning.runtime.errors import CheckpointWriteError
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import ROOT, FillDiskAt, run_cli, run_main, tiny_model
 
+pytestmark = pytest.mark.slow  # runs that fill small filesystems, in processes of their own
+
 CONFIG = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
 
 

@@ -24,6 +24,8 @@ import pytest
 
 from tests.helpers import end_session
 
+pytestmark = pytest.mark.slow  # a smoke run of every bench
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

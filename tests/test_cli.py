@@ -21,6 +21,7 @@ from tests.helpers import ROOT, run_cli, run_main, tiny_model
 BUILTINS = ["dr_grpo", "kl", "opd", "replay_dpo", "sdpo"]
 
 
+@pytest.mark.slow  # the command line in a process of its own
 def test_heads_lists_every_builtin():
     out = run_cli("heads")
     assert out.returncode == 0, out.stderr
@@ -28,6 +29,7 @@ def test_heads_lists_every_builtin():
         assert f"{name} " in out.stdout and f"composer_lightning.heads.{name}." in out.stdout
 
 
+@pytest.mark.slow  # the command line in a process of its own
 def test_broken_plugin_is_reported_by_name_without_hiding_the_others(tmp_path):
     dist = tmp_path / "broken_plugin-0.1.dist-info"
     dist.mkdir()
@@ -43,6 +45,7 @@ def test_broken_plugin_is_reported_by_name_without_hiding_the_others(tmp_path):
         assert f"composer_lightning.heads.{name}." in out.stdout
 
 
+@pytest.mark.slow  # pip installs the plugin, then a fit in a process of its own
 def test_plugin_package_installs_and_trains_one_step(tmp_path):
     target = tmp_path / "site"
     pip = subprocess.run(
@@ -85,6 +88,7 @@ def test_unknown_head_class_is_a_clear_error(tmp_path, capfd):
     assert "composer_lightning.heads.nope.NopeHead" in out.stderr
 
 
+@pytest.mark.slow  # a fit through the command line
 def test_synthetic_demo_config_trains(tmp_path):
     out = run_cli(
         "fit",
@@ -389,6 +393,7 @@ def test_a_nested_option_written_in_yaml_can_be_overridden_on_the_command_line(
     assert {k: init[k] for k in expected} == expected
 
 
+@pytest.mark.slow  # the command line in a process of its own
 def test_the_top_level_help_lists_every_command():
     out = run_cli("--help")
     assert out.returncode == 0

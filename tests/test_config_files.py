@@ -16,6 +16,8 @@ import yaml
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # every config printed in a process of its own
+
 
 def base_of(overlay: str) -> str:
     """The config an overlay in configs/ablation/ is read after: its first line says

@@ -13,6 +13,8 @@ import yaml
 
 from tests.helpers import ROOT, run_cli
 
+pytestmark = pytest.mark.slow  # every config trained through the command line
+
 #: CPU configs that a test trains for several steps through the CLI (file, test): a
 #: `fast_dev_run` step of them as well would pay a process's start-up again for nothing.
 TRAINED_ELSEWHERE = {

@@ -86,6 +86,7 @@ def train_example_elsewhere(example, run_name: str, tmp_path) -> dict:
     return json.loads((run / "rollouts.jsonl").read_text().splitlines()[0])
 
 
+@pytest.mark.slow  # a fit through the command line
 def test_the_examples_config_trains_from_another_directory(tmp_path):
     """Copied elsewhere, run as the README says: held-out episode success before the first step
     and after it, the environment's tools in the rollouts written."""

@@ -1,4 +1,4 @@
-"""The four-way dispatch as a pure decision (DESIGN.md): a score gives RL, a hint gives OPD."""
+"""The four-way dispatch as a pure decision (docs/design.md, "The four-way dispatch"): a score gives RL, a hint gives OPD."""
 
 import torch
 from transformers import AutoTokenizer

@@ -73,6 +73,7 @@ def _rank(rank: int, store: str, results: dict) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two ranks in processes of their own
 def test_agree_reduces_by_kind_and_raises_one_rank_error_on_both(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()

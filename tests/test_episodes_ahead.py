@@ -22,6 +22,8 @@ from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer
 from tests.test_agent_fit import _callback as agent_callback
 
+pytestmark = pytest.mark.slow  # episodes generated ahead, trained end to end
+
 POLICY = tiny_tool_policy_path()
 
 

@@ -122,6 +122,7 @@ report_to: none
 """
 
 
+@pytest.mark.slow  # a validate run through the command line
 def test_a_trl_config_converts_and_validates(tmp_path):
     """~30 fields of a TRL GRPO config: each carried to the option the page names (the batch
     shape, the loss, the KL head, the clip, the rewards), each of the others one comment line;
@@ -198,6 +199,7 @@ def test_cispo_and_sapo_convert_to_their_loss_modes(tmp_path, loss_type, extra, 
     assert {k: config["model"][k] for k in want} == want
 
 
+@pytest.mark.slow  # the command line in a process of its own, per case
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

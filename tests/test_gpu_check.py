@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow  # the GPU check's smoke run with vLLM
 
 
 def test_gpu_check_smoke_on_cpu():

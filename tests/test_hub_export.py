@@ -24,6 +24,8 @@ from composer_lightning.models.hub import resolve_model
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.training.module import ComposerModule
 
+pytestmark = pytest.mark.slow  # a fit through the command line, vLLM loading the export
+
 ROOT = Path(__file__).resolve().parents[1]
 REV = "0123456789abcdef0123456789abcdef01234567"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

@@ -217,6 +217,7 @@ def test_a_name_that_left_its_module_still_imports_from_it_with_one_line(where, 
         _ = importlib.import_module(where).NoSuchName
 
 
+@pytest.mark.slow  # the command line in a process of its own
 def test_a_config_with_the_old_class_paths_still_runs_and_says_the_new_ones(tmp_path):
     text = (ROOT / "configs" / "tiny_cpu.yaml").read_text()
     old = text.replace(

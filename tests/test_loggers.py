@@ -118,6 +118,7 @@ def test_a_logger_saving_in_the_working_directory_by_default_saves_in_the_run():
     assert section.logger.init_args.save_dir == "/tmp/r"
 
 
+@pytest.mark.slow  # a fit through the command line
 def test_a_wandb_run_from_the_command_line_keeps_everything_in_its_directory(tmp_path):
     """`--trainer.logger=WandbLogger` (save_dir "." by default): W&B's files, the checkpoints,
     rollouts.jsonl and curves.png all under the run's root, nothing in the working directory."""

@@ -255,6 +255,7 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(tmp_path):
         assert torch.equal(resumed[name], w), name
 
 
+@pytest.mark.slow  # two ranks in processes of their own
 def test_fsdp2_on_two_ranks_gathers_the_merged_weights_and_trains_the_adapters_only():
     """tests/_lora_fsdp2.py: two gloo ranks, the LoRA policy sharded per decoder layer."""
     with socket.socket() as s:

@@ -86,6 +86,7 @@ def test_the_same_episode_scores_alike_under_openenv_and_here(lookup_env):
     assert env.step({"role": "assistant", "content": f"It costs {price + 1}."}).reward == 0.0
 
 
+@pytest.mark.slow  # a fit through the command line
 def test_the_examples_config_trains_from_another_directory(tmp_path):
     """Copied elsewhere, run as the README says: held-out episode success before the first step
     and after it, the session's tool in the rollouts written."""

@@ -26,6 +26,8 @@ from composer_lightning.tasks import VerifierHint
 from composer_lightning.training.module import ComposerModule, OutOfSyncError
 from tests.helpers import BlindLostPushEngine, LostPushEngine, quiet_trainer
 
+pytestmark = pytest.mark.slow  # an engine process per run
+
 POLICY = tiny_policy_path()
 
 

@@ -16,6 +16,8 @@ import yaml
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # an engine process per run, killed and resumed
+
 STEPS = 8
 _WHOLE: dict[tuple[int, bool], dict] = {}  # (k, episodes) → the uninterrupted run's last checkpoint
 

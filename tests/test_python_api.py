@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the example trained in a process of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -15,6 +15,8 @@ import torch
 
 from tests.helpers import ROOT, run_cli
 
+pytestmark = pytest.mark.slow  # runs stopped by signals, in processes of their own
+
 CONFIG = str(ROOT / "configs" / "tiny_cpu_hf.yaml")
 STEPS = 8
 

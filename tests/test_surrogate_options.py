@@ -152,6 +152,7 @@ def _pooled(rank: int, store: str, results: dict) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two ranks in processes of their own
 def test_the_entropy_threshold_is_taken_over_every_ranks_tokens(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
@@ -165,6 +166,7 @@ def test_the_entropy_threshold_is_taken_over_every_ranks_tokens(tmp_path):
         assert not torch.equal(want, high_entropy_mask(ent, mask, 0.3).bool())  # pooling matters
 
 
+@pytest.mark.slow  # fits through the command line
 @pytest.mark.parametrize(
     "options",
     [

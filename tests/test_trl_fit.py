@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import yaml
 
 from tests.datamodules.test_prompts import gsm8k_parquet
 from tests.helpers import base_model_dir, run_cli
+
+pytestmark = pytest.mark.slow  # fits through the command line
 
 REWARDS = """
 import json, os

@@ -3,7 +3,7 @@
 Single-turn, the hint follows the prompt as an extra `hint_role` message, then the *same*
 response ids; multi-turn tool traces, right after the first erroneous turn (a turn whose
 structured `tool_error` field is not None — never string matching) and before the next
-assistant turn (DESIGN.md). Teacher and student are aligned by `teacher_positions` (the teacher
+assistant turn (docs/design.md, "Where the hint goes"). Teacher and student are aligned by `teacher_positions` (the teacher
 index of each student response token), built by rendering the chat turn by turn: that needs a
 *prefix-stable* template (rendering the first k turns gives a token prefix of rendering k + 1);
 a template that is not raises ValueError rather than misalign tokens. Without a chat template

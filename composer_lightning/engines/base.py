@@ -3,7 +3,8 @@
 Engines take prompt **token ids** and return sampled token ids with the log-prob of each
 sampled token under the *sampling* distribution (logits / temperature, after penalties, min-p
 and top-k/top-p), so the trainer can compare them to its own log-probs (the canary, see
-DESIGN.md), or weight by them when the sampler is shaped (`SamplingConfig.shaped`).
+docs/design.md, "Rollout timing and the canary"), or weight by them when the sampler is shaped
+(`SamplingConfig.shaped`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ an `Observation`: the messages that follow it in the chat (a `tool` result or er
 reply), whether the episode is over, an optional outcome reward, and structured information
 such as `tool_error` (the error message of a failed tool call; hints at error turns are read
 from it, never from string matching). The observation is the turn's *next state*: where the
-per-turn score and hint come from (DESIGN.md, "the agentic setting").
+per-turn score and hint come from (docs/design.md, "The agentic setting").
 
 Tools are described to the model by the chat template's tool specs: `tools` is a list of
 OpenAI-style function specs (`{"type": "function", "function": {"name", "description",

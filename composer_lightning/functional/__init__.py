@@ -1,6 +1,6 @@
 """Pure loss and advantage math: tensors in, tensors out; no Lightning, no I/O.
 
-Heads are thin adapters over these functions; see DESIGN.md for the conventions.
+Heads are thin adapters over these functions; see docs/design.md, "Conventions".
 
 May import: nothing of the package.
 """

@@ -62,10 +62,10 @@ def generalized_jsd_per_token(
       direction is the divergence's own and its size is bounded (per-token gradient clipping),
       and it is never zero while the distributions differ.
     - `"element"`: caps each vocabulary entry's (beta-weighted) term at `clip` before the sum
-      over V (the OPSD code's `jsd_token_clip`, seed 000). The entries over the cap are those
+      over V (the OPSD code's `jsd_token_clip`). The entries over the cap are those
       with much probability and a large log-ratio: the teacher's confident answer the student
       lacks and the student's confident wrong guess. Their gradient is exactly 0, so the clip
-      silences the tokens where the hint matters most (measured: `docs/benchmarks.md`).
+      silences the tokens where the hint matters most (measured: `docs/benchmarks/ablation.md`).
     - `"token"`: caps the per-token sum; a token over the cap passes no gradient at all.
 
     Args:

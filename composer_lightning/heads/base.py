@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from composer_lightning.protocols.batch import RolloutBatch
     from composer_lightning.protocols.step import StepContext
 
-#: What a head may ask the step for (see `StepContext`).
 REQUIREMENTS = frozenset(
     {
         "entropy",
@@ -35,6 +34,31 @@ REQUIREMENTS = frozenset(
         "hinted_replies",
     }
 )
+"""What a head may list in `requires`; each entry makes the step compute what the head then
+reads from its `StepContext` (`ctx`) or batch:
+
+- `entropy`: `ctx.entropy`, `[B, T]` entropy of the sampling distribution (grad).
+- `hidden`: `ctx.hidden` and `ctx.lm_head_weight`, the policy's final hidden states and LM
+  head (grad), for a head that applies the LM head itself, in chunks (SDPO, top-k OPD).
+- `logits`: `ctx.logits`, full `[B, T, V]` policy logits built on access from the hidden
+  states (for plug-in heads that cannot do without; prefer `hidden`).
+- `teacher_logprobs`: `ctx.teacher_logprobs` (and `ctx.teacher_aligned`), the hinted teacher's
+  log-probs of the student's tokens (no grad; OPD).
+- `teacher_hidden`: `ctx.teacher_hidden` and `ctx.teacher_lm_head_weight` (no grad; SDPO).
+- `teacher_logits`: `ctx.teacher_logits`, full `[B, T, V]` teacher logits built on access.
+- `teacher_topk`: `ctx.teacher_topk`, the top-k of π_old and of each candidate hint's teacher
+  (top-k OPD; `Head.topk` is the k).
+- `ref_logprobs`: `ctx.ref_logprobs` (and `ctx.reference_sequence_logprobs`); a reference
+  model is built only when a head lists it (KL, replay DPO with `reference: model`).
+- `sequence_logprobs`: the head calls `ctx.policy_token_logprobs` or
+  `ctx.policy_sequence_logprobs`, the policy on other sequences (replay DPO's pairs); under
+  FSDP2 a collective, so it calls it on every rank in every step.
+- `hinted_replies`: `batch.hinted`, replies sampled from the hinted context (context
+  distillation); the rollout samples them only while such a head has a non-zero weight.
+
+Any `teacher_*` entry (`TEACHER_SIGNALS`) makes the rollout ask for hints and the step run the
+teacher forward, while the head's weight is non-zero.
+"""
 
 #: A head that reads replies sampled with the hint in context (`RolloutBatch.hinted`, context
 #: distillation): the rollout samples them only while such a head has a non-zero weight.

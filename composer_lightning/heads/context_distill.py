@@ -26,7 +26,9 @@ from composer_lightning.protocols.step import StepContext
 
 
 class ContextDistillHead(Head):
-    """`weight · aggregate(−log π_θ(y_t | y_<t, x))` over the tokens of the hinted replies `y`
+    """Context distillation: the NLL of the hinted teacher's own replies, without the hint.
+
+    `weight · aggregate(−log π_θ(y_t | y_<t, x))` over the tokens of the hinted replies `y`
     (sampled from the hinted context `x + hint`) that the head imitates, set after the
     student's context `x`.
 

@@ -27,6 +27,7 @@ class KLHead(Head):
         placement: `advantage` (`−kl_coef · k_t` of the rollout policy: old vs reference
             log-probs, the same in every update of a rollout batch) or `loss`
             (`kl_coef · aggregate(k)` of the current policy, with grad).
+        name, schedule: as `Head`'s.
     """
 
     default_name = "kl"

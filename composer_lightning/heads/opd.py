@@ -30,7 +30,7 @@ class OPDHead(Head):
             whole reply alike pushes none of it (`functional.opd_advantages`): the plain gap
             averages −KL(student ‖ teacher) < 0 on the student's own tokens, and uncentred it
             pushes every sampled reply down (on SmolLM2 −0.17 to −0.27 a token, on every reply;
-            docs/benchmarks.md); None: the plain gap, as OpenClaw-RL's combine.
+            docs/benchmarks/smollm2.md); None: the plain gap, as OpenClaw-RL's combine.
     """
 
     default_name = "opd"

@@ -3,8 +3,8 @@
 The student (grad) and the teacher (no grad; the policy on the hinted context, or a frozen
 teacher model) are compared over the full vocabulary at `sdpo_mask` positions (GKD convention,
 Agarwal et al. 2024; TRL `generalized_jsd_loss`). An optional bound scales a token's divergence
-down to `clip` (its gradient keeps its direction); the OPSD code's element-wise clamp (seed
-000) is still there as `clip_mode="element"`, but it zeroes the gradient exactly where teacher
+down to `clip` (its gradient keeps its direction); the OPSD code's element-wise clamp is
+still there as `clip_mode="element"`, but it zeroes the gradient exactly where teacher
 and student confidently disagree (`functional.jsd.generalized_jsd_per_token`).
 """
 
@@ -35,6 +35,7 @@ class SDPOHead(Head):
             the OPSD code: zero gradient on the capped entries) or `token` (cap the sum: zero
             gradient on a capped token).
         warmup_steps: linear warm-up of the weight (ignored when `schedule` is given).
+        weight, name, schedule: as `Head`'s.
     """
 
     default_name = "sdpo"

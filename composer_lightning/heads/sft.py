@@ -20,7 +20,9 @@ from composer_lightning.protocols.step import StepContext
 
 
 class SFTHead(Head):
-    """`weight · aggregate(−log π_θ(y_t | y_<t, x))` over the response tokens of the rows with a
+    """Supervised fine-tuning: the NLL of the response tokens of rows rewarded ≥ `min_reward`.
+
+    `weight · aggregate(−log π_θ(y_t | y_<t, x))` over the response tokens of the rows with a
     reward ≥ `min_reward` (rows without a reward never count).
 
     Args:

@@ -12,9 +12,13 @@ class TinyLlama(LlamaForCausalLM):
     """A randomly initialised Llama-architecture causal LM, built offline and deterministically.
 
     Args:
-        vocab_size: vocabulary size. hidden_size: model width. num_layers: decoder layers.
+        vocab_size: vocabulary size.
+        hidden_size: model width.
+        num_layers: decoder layers.
         num_heads: attention heads (`hidden_size / num_heads` is the head dim).
-        intermediate_size: MLP width. seed: initialisation seed (the global RNG is untouched).
+        intermediate_size: MLP width.
+        max_position_embeddings: the longest sequence the model takes.
+        seed: initialisation seed (the global RNG is untouched).
     """
 
     def __init__(

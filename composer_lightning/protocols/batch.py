@@ -2,7 +2,7 @@
 
 One rollout batch holds the surviving samples of P prompts x G samples (dropped samples never
 enter it). Every per-token tensor is `[B, T]` and aligned with `input_ids` (prompt ⊕ response,
-padded); `logprobs[b, t]` is the log-prob of token t given the tokens before it. See DESIGN.md.
+padded); `logprobs[b, t]` is the log-prob of token t given the tokens before it. See docs/design.md, "The RolloutBatch contract".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """From sampled completions to a `RolloutBatch`: score, hint, the four-way dispatch, packing.
 
-The dispatch is a pure decision per sample (DESIGN.md): a usable score gives `has_reward`, an
+The dispatch is a pure decision per sample (docs/design.md, "The four-way dispatch"): a usable score gives `has_reward`, an
 accepted hint `has_teacher`; a sample with neither is dropped. Counts of each path are logged
 as `dispatch/...`.
 
@@ -123,7 +123,7 @@ def build_rollout(
 ) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the turns of one prompt batch's episodes.
 
-    Which signal reaches which tokens (DESIGN.md, "the agentic setting"):
+    Which signal reaches which tokens (docs/design.md, "The agentic setting"):
     - The episode's outcome — the environment's reward, or else the score provider on the
       problem and the episode's final turn — is the reward of every turn of the episode, so
       the GRPO advantage of the episode (group baseline over the G episodes of its problem,

@@ -4,7 +4,7 @@ A *problem* is a plain dict: at least `"messages"` (a chat, a list of `{"role", 
 and `"task"` (the task's short name or dotted class path, so a verifier can be found again),
 plus task fields such as `"answer"`. A `Task` samples problems and verifies completions; the
 rollout side turns verdicts into scores (`ScoreProvider`) and hints (`HintProvider`), the two
-inputs of the four-way dispatch (DESIGN.md).
+inputs of the four-way dispatch (docs/design.md, "The four-way dispatch").
 
 Provider failures are per sample: a reward function that raises, returns something that is not
 a number, or runs past its timeout (`runtime/calls.py`) gives `None` for that sample (counted in

@@ -10,7 +10,7 @@ allowed) — and hint as `arithmetic` does (digit count and one digit of the ans
 - `chat_boxed`: `chat_arithmetic` asking for the answer in `\\boxed{}`, and verified only
   there (a strict verifier, as math RL's often are): sparse for SmolLM2-135M-Instruct, which
   adds two-digit numbers (greedy 0.27 on the final number) but boxes 3 % of its replies (0.2 %
-  boxed and right, sampled; docs/benchmarks.md).
+  boxed and right, sampled; docs/benchmarks/smollm2_sparse.md).
 - `chat_tagged`: the same with the answer asked for between `<answer>` and `</answer>`:
   sparser still, SmolLM2-135M-Instruct writes the tags in 0 of 512 sampled replies (its final
   number is right in 19 %): a reward RL alone never sees, and told a worked reply in the
@@ -18,9 +18,9 @@ allowed) — and hint as `arithmetic` does (digit count and one digit of the ans
 - `chat_answer_line`: the same ending with `ANSWER: <number>`: SmolLM2 writes it in 0.4 % of
   sampled replies and never right (0 of 512); told a worked reply ending so, it is right in 16
   of 32 greedy replies. Yet Dr. GRPO alone learns it from its first two right replies (0.656
-  held-out at step 20) where SDPO with that hint does not (docs/benchmarks.md, "Sparser tasks").
+  held-out at step 20) where SDPO with that hint does not (docs/benchmarks/smollm2_sparse.md, "Sparser tasks").
 - `chat_sums`: `a + b + c` (`terms` two-digit numbers): a sparse task for SmolLM2-135M-Instruct
-  (greedy 0.016, sampled 0.006 at three terms; docs/benchmarks.md).
+  (greedy 0.016, sampled 0.006 at three terms; docs/benchmarks/smollm2_sparse.md).
 - `word_problems`: two-step word problems, "Tom has 29 apples. He buys 13 more and gives away
   4. How many apples does Tom have now?" (answer a + b − c).
 """
@@ -72,7 +72,7 @@ class ChatArithmetic(_FinalAnswer, Arithmetic):
     """`Arithmetic`'s problems (same arguments), verified on the reply's final answer.
 
     Args: see `Arithmetic`; the default operands are two-digit (10 to 49), where SmolLM2-135M-
-    Instruct's greedy accuracy is 0.22 (`docs/benchmarks.md`).
+    Instruct's greedy accuracy is 0.22 (`docs/benchmarks/smollm2.md`).
     """
 
     name = "chat_arithmetic"

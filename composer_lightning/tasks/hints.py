@@ -46,7 +46,7 @@ class FunctionHint(HintProvider):
 
 class ToolErrorHint(HintProvider):
     """The tool's own error message as the hint of the turn that caused it, at no judge cost
-    (seed 000's hint at the erroneous tool turn, from the live rollout): a turn whose next
+    (SDPO's hint at the erroneous tool turn, from the live rollout): a turn whose next
     state carries a `tool_error` gets `template` with `{error}` replaced by it; every other
     turn gets none.
 

@@ -301,10 +301,11 @@ class NextStateJudgeHint(_Judge, HintProvider):
     vote is `\\boxed{1}` with a hint between `[HINT_START]` and `[HINT_END]`, or
     `\\boxed{-1}`; the longest hint of more than `min_chars` characters among the +1 votes is
     accepted (`next_state_hint`). A turn without a next state (the episode's last) costs no
-    judge call and gets no hint.
+    judge call and gets no hint. The other arguments are `LLMJudgeScore`'s; the default
+    template is `templates/judge_next_state.txt` (placeholders `{prompt}`: the turn's context,
+    `{response}`, `{next_state}`).
 
-    Args: as `LLMJudgeScore`; the default template is `templates/judge_next_state.txt`
-        (placeholders `{prompt}`: the turn's context, `{response}`, `{next_state}`).
+    Args:
         min_chars: a shorter hint is not accepted.
     """
 

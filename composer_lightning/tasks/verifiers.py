@@ -161,7 +161,7 @@ class AnswerHint(_VerifierBase, HintProvider):
     Privileged information for the teacher only (OPD's and SDPO's hinted context): the student
     never sees it, and learns from how the policy, told the answer, would have scored its own
     reply's tokens. On SmolLM2's chat arithmetic this told the teacher far more than the
-    verifier's digit hint (docs/benchmarks.md, "A real model").
+    verifier's digit hint (docs/benchmarks/smollm2.md).
 
     Args:
         task, timeout: as `VerifierHint`'s.

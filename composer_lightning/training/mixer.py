@@ -1,6 +1,6 @@
 """Mixing heads: per-term statistics, variance matching and gradient-norm matching.
 
-Variance matching (DESIGN.md "Heads") rescales each advantage term by σ(reference term) /
+Variance matching (docs/design.md, "Heads") rescales each advantage term by σ(reference term) /
 σ(term), σ measured over the term's active tokens of the minibatch, detached; a term with σ = 0
 (or a reference with σ = 0) keeps its weight.
 

@@ -142,9 +142,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             no teacher term, no loss head) leaves the weights and the optimizer's state as they
             are. False (default) steps the optimizer anyway, as TRL and verl do: AdamW then
             keeps moving the weights along its momentum (β1 0.9: about ten steps' worth of the
-            last update, spread over the next steps). Measured on SmolLM2 (docs/benchmarks.md,
-            "A sparse task"): after a hint head ramped out and the rewards were all 0, momentum
-            alone took the replies from 14 tokens to empty in 5 steps. Logged either way as
+            last update, spread over the next steps; what that did on SmolLM2 once a hint head
+            had ramped out: docs/benchmarks/smollm2_sparse.md, "A sparse task"). Logged either way as
             `train/signal_free` (the share of the step's updates without signal). Not with
             fp16's grad scaler (`precision: 16-mixed`), which must see a gradient each step.
         max_logprob_gap: canary threshold on mean |engine − trainer| log-prob; "auto": 1e-3
@@ -170,7 +169,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         importance_sampling_level: `token`; `sequence` (GSPO: one ratio per response, the mean
             log-ratio; refused beside a head with per-token advantages such as OPD) or
             `sequence_token` (GSPO-token: the sequence's ratio, each token's own gradient).
-        sapo_temperature_pos: SAPO's gate temperature for A > 0. sapo_temperature_neg: for A ≤ 0.
+        sapo_temperature_pos: SAPO's gate temperature for A > 0.
+        sapo_temperature_neg: SAPO's gate temperature for A ≤ 0.
         top_entropy_quantile: train the surrogate on the top share of response tokens by
             entropy only (across ranks; TRL's `top_entropy_quantile`, 0.2 in its paper);
             1 (default): every token.

@@ -67,9 +67,13 @@ RatioLevel = Literal["token", "sequence", "sequence_token"]
 class Objective:
     """The composed loss of one minibatch.
 
+    The surrogate's options and masks act on the advantage heads' one surrogate; loss heads
+    (SDPO, replay DPO, top-k OPD, KL in the loss) keep their own losses unchanged.
+
     Args:
         heads: the loss heads (unique names).
-        clip_low: PPO ε_low in (0, 1). clip_high: PPO ε_high > 0.
+        clip_low: PPO ε_low in (0, 1).
+        clip_high: PPO ε_high > 0.
         dual_clip: dual-clip c > 1 for A < 0, or None.
         aggregation: how per-token losses are reduced (see `functional.masked_aggregate`).
         entropy_coef: entropy bonus coefficient (≥ 0).
@@ -112,8 +116,6 @@ class Objective:
         off_policy_mask_threshold: drop negative-advantage tokens of responses whose mean
             `log μ − log π` exceeds it, μ the engine's log-probs when the batch has them, else
             π_old (`functional.off_policy_sequence_mask`); None: no mask.
-        The surrogate's options and masks act on the advantage heads' one surrogate; loss heads
-        (SDPO, replay DPO, top-k OPD, KL in the loss) keep their own losses unchanged.
     """
 
     def __init__(

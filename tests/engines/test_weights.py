@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,6 +34,7 @@ def test_wrapper_prefixes_are_stripped():
     assert names == ["0.weight", "0.bias", "weight", "bias"]
 
 
+@pytest.mark.slow  # two ranks in processes of their own
 def test_fsdp2_sharded_module_gathers_full_tensors():
     """Two gloo ranks, FSDP2 `fully_shard`: every rank gets each full tensor (DTensor gather)."""
     with socket.socket() as s:

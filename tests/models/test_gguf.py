@@ -140,6 +140,7 @@ def test_bad_files_are_one_line_naming_the_file(files, tmp_path):
     one_line(err, "no_such_package_here", "not installed")
 
 
+@pytest.mark.slow  # a fit through the command line with vLLM
 def test_fit_trains_a_gguf_policy_with_vllm_in_sync(files, tmp_path, cache):
     """The command line end to end: trainer, vLLM engine and tokenizer all read the converted
     directory; the canary (engine vs trainer log-probs, weight fingerprints) holds."""

@@ -17,6 +17,8 @@ from composer_lightning.training.mixer import grad_norm_scales
 from tests.helpers import ROOT
 from tests.scale._grad_share import batch, module
 
+pytestmark = pytest.mark.slow  # two ranks in processes of their own
+
 
 def test_two_ranks_measure_the_mean_objective_and_agree_on_the_scales(tmp_path):
     """DDP and FSDP2 average the ranks' gradients, so the step's objective is the ranks' mean:

@@ -19,6 +19,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.helpers import ROOT, end_session
 
+pytestmark = pytest.mark.slow  # two torchrun nodes
+
 STEPS, SIGNAL_AT = 5, 2  # the signal arrives as step 3 starts: both nodes stop after it
 TAGS = ("train/loss", "rollout/reward_mean", "rollout/response_length_mean")
 

@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # two ranks in processes of their own
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

@@ -16,6 +16,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import ROOT, end_session
 
+pytestmark = pytest.mark.slow  # two ranks killed and resumed
+
 SCRIPT = str(ROOT / "tests" / "scale" / "_resume.py")
 
 

@@ -17,6 +17,8 @@ import torch
 from tests.helpers import ROOT, end_session
 from tests.test_atomic_checkpoints import mounts  # noqa: F401 - a fixture
 
+pytestmark = pytest.mark.slow  # two ranks stopped by signals
+
 SCRIPT = str(ROOT / "tests" / "scale" / "_stop.py")
 STEPS, SIGNAL_IN = 5, 3  # as in _stop.py
 

@@ -16,6 +16,8 @@ from composer_lightning.models.loading import load_causal_lm
 from composer_lightning.models.tiny import tiny_policy_path
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # two ranks in processes of their own
+
 
 def _run(kind: str, out, timeout: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

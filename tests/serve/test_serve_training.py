@@ -23,6 +23,8 @@ from tests.helpers import ROOT
 sys.path.insert(0, str(ROOT / "examples" / "talk_to_train"))
 import talk  # noqa: E402
 
+pytestmark = pytest.mark.slow  # serve end to end: servers, vLLM, kill -9
+
 
 def _paths(db: str) -> dict[str, int]:
     """The four dispatch paths of the judged turns, and the dropped ones."""

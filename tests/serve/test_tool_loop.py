@@ -65,7 +65,7 @@ def test_a_function_calling_loop_through_the_openai_client(tmp_path):
 
 
 def test_the_agent_loop_example_runs_on_the_tiny_tool_policy(capsys):
-    """`examples/tool_sft/agent_loop.py` (SmolLM2 before and after SFT in docs/benchmarks.md)
+    """`examples/tool_sft/agent_loop.py` (SmolLM2 before and after SFT: docs/benchmarks/smollm2_tools.md)
     on the tiny tool policy, which calls `add`: its figures count what happened."""
     from composer_lightning.models.tiny import tiny_tool_policy_path
     from examples.tool_sft.agent_loop import held_out, run

@@ -17,7 +17,7 @@ from composer_lightning.tasks import Arithmetic, LLMJudgeScore, VerifierHint
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a vLLM server per test
 
 
 @pytest.fixture(scope="module")
