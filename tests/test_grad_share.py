@@ -36,6 +36,8 @@ def _heads() -> list[Head]:
 
 
 def _module(**kwargs) -> ComposerModule:
+    # the teacher cap measures every step a teacher head reads: off unless a test asks for it
+    kwargs.setdefault("teacher_cap", None)
     return ComposerModule(
         tiny_model(seed=1),
         _heads(),
@@ -279,8 +281,12 @@ def _fit(batches: int, **kwargs) -> tuple[dict[str, torch.Tensor], list]:
 
 @pytest.mark.parametrize(
     "options",
-    [dict(grad_share_every_n_steps=1), dict(grad_norm_matching="dr_grpo")],
-    ids=["shares", "matching"],
+    [
+        dict(grad_share_every_n_steps=1),
+        dict(grad_norm_matching="dr_grpo"),
+        dict(teacher_cap=0.3),
+    ],
+    ids=["shares", "matching", "teacher_cap"],
 )
 def test_micro_batched_measurement_equals_the_unbatched_one(options):
     """Two minibatches, five heads, uneven rows; 1 or 3 rows or 30 tokens per forward: the

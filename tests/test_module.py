@@ -94,11 +94,12 @@ def test_worked_example_through_the_full_path(has_teacher, has_reward, expected)
         )[0, len(PROMPT) :]
     logits = teacher_logits_for(old + DELTA, batch.teacher_input_ids, len(PROMPT) + len(HINT), 64)
     teacher = ScriptedTeacher(batch.teacher_input_ids, logits)
-    module = ComposerModule(
+    module = ComposerModule(  # the seed's combine as it is: the plain gap, uncapped
         policy,
-        [DrGRPOHead(), OPDHead()],
+        [DrGRPOHead(), OPDHead(center=None)],
         teacher=teacher,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+        teacher_cap=None,
     )
     obj, ctx = module.objective, context(module, batch)
     weights = obj.weights(0)

@@ -214,11 +214,13 @@ def test_resume_resyncs_the_engine_and_continues_the_prompt_stream(tmp_path):
 
 def test_a_judge_with_unparsable_output_gives_no_score_end_to_end():
     """The tiny policy as judge never writes 'SCORE: ±1': no sample gets a usable score, so the
-    hinted (wrong) ones train OPD-only and the rest are dropped and counted."""
+    hinted (wrong) ones train OPD-only and the rest are dropped and counted. The hint check
+    cannot score the hinted teacher's reply either, so by default every hint would be gated
+    and the whole batch dropped: the OPD-only path is `hint_trust: always`'s."""
     from composer_lightning.tasks import LLMJudgeScore
 
     judge = LLMJudgeScore(HFEngine(model_path=POLICY, seed=1), tokenizer=POLICY, votes=3)
-    cb = _callback(score=judge)
+    cb = _callback(score=judge, hint_trust="always")
     _, _, trainer = _fit([cb], steps=1)
     m = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert m["dispatch/opd_rl"] == 0 and m["dispatch/rl_only"] == 0

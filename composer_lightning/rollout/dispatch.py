@@ -247,9 +247,15 @@ def build_rollout(
         [r is not None for r in row_rewards], [h is not None for h in row_hints]
     )
     if not keep:
+        gated = any(hints) and not any(row_hints)
         raise ScoringError(
             f"no sample of rollout batch {batch['index']} has a usable score or an accepted "
             "hint: every sample was dropped"
+            + (
+                " (the hint check trusted no hint: rollout.hint_trust: always uses them unchecked)"
+                if gated and check is not None
+                else ""
+            )
         )
     samples, kept = [], [turns[k] for k in keep]
     for k, (e, t) in zip(keep, kept, strict=True):
