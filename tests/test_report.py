@@ -20,7 +20,7 @@ import yaml
 
 from composer_lightning.report.cli import resolve_run_dir
 from composer_lightning.report.figures import figures, time_split
-from composer_lightning.report.page import page_data, render, write_report
+from composer_lightning.report.page import page_data, render, with_mixed, write_report
 from composer_lightning.report.read import read_run, same_problems, sample_by_step
 from composer_lightning.report.serve import ReportServer
 from tests.chromium import Chromium, chromium_path
@@ -86,6 +86,7 @@ def test_the_page_holds_what_the_run_logged_and_says_what_it_did_not(run):
     assert {"reward", "heldout", "length", "weights", "grad_share", "dispatch", "time"} <= drawn
     (kl,) = [f for f in data["figures"] if f["key"] == "kl_entropy"]
     assert "figure" not in kl and "a kl head" in kl["missing"]
+    assert data["token_values"][0] == "mixed"
     assert {"dr_grpo", "opd", "sdpo/jsd"} <= set(data["token_values"])
     detailed = [r for r in data["rollouts"] if "details" in r]
     assert len(detailed) == 12
@@ -178,6 +179,15 @@ def test_serve_from_the_command_line_says_where_and_serves_on_loopback(run):
         proc.wait(timeout=30)
 
 
+def test_mixed_is_the_weighted_sum_of_the_advantage_heads_alone():
+    """dr_grpo 1 × 0.5 + opd 0.5 × (1, −1) = (1, 0); SDPO's divergence is a loss head's
+    metric, not an advantage, and is left out."""
+    values = {"dr_grpo": [0.5, 0.5], "opd": [1.0, -1.0], "sdpo/jsd": [0.2, 0.1]}
+    mixed = with_mixed(values, {"dr_grpo": 1.0, "opd": 0.5, "sdpo": 0.1})
+    assert mixed == {"mixed": [1.0, 0.0], **values}
+    assert with_mixed(values, None) == values
+
+
 def test_rows_are_sampled_by_whole_steps_keeping_the_first_and_last():
     rows = [{"step": s, "i": i} for s in range(10) for i in range(4)]
     kept = sample_by_step(rows, 12)
@@ -256,8 +266,10 @@ def test_the_main_jobs_report_renders_in_chromium(run, tmp_path):
         assert drawn == expected, panels
         colours = """[...document.querySelectorAll('#rollout-list .tok')].map(s =>
                       getComputedStyle(s).backgroundColor)"""
+        mixed = browser.evaluate(colours)  # by default: every advantage head's weighted sum
+        browser.evaluate("document.querySelector('input[name=colour][value=opd]').click()")
         opd = browser.evaluate(colours)
-        assert opd and any(c.startswith("rgba(39, 174, 96") for c in opd)  # pushed up by OPD
+        assert opd != mixed and any(c.startswith("rgba(39, 174, 96") for c in opd)  # pushed up
         assert any(c.startswith("rgba(192, 57, 43") for c in opd)  # pushed down by OPD
         hover = browser.evaluate("document.querySelector('#rollout-list .tok').title")
         assert "hinted teacher log-prob" in hover or "student log-prob" in hover

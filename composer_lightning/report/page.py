@@ -28,7 +28,7 @@ from composer_lightning.report.read import RunData, problem_text, read_run
 SIGNAL_LABELS = {
     "opd_rl": "OPD + RL",
     "opd_only": "OPD only (no usable score)",
-    "rl_only": "RL only (no accepted hint)",
+    "rl_only": "RL only (no teacher signal)",
     "dropped": "dropped",
 }
 
@@ -184,6 +184,7 @@ def rollout_rows(rollouts: list[dict[str, Any]], tokens: list[dict[str, Any]]) -
             rows.append(row)
             index.setdefault(key, row)
         row["details"] = {k: detail.get(k) for k in _DETAIL_KEYS}
+        row["details"]["values"] = with_mixed(detail.get("values") or {}, detail.get("weights"))
         row.setdefault("signal", [detail.get("signal", "dropped")])
         if not row.get("hint") and detail.get("hint"):
             row["hint"] = detail["hint"]
@@ -201,9 +202,24 @@ _DETAIL_KEYS = (
 )
 
 
+def with_mixed(values: dict[str, list[float]], weights: dict[str, float] | None) -> dict:
+    """`values` and `mixed`: Σ weight × advantage over the advantage heads (the keys without a
+    "/"; a head's own metric is `<head>/<metric>`), the advantage the surrogate trains each
+    token on (the weights are the effective ones, after any variance or gradient matching)."""
+    heads = [k for k in values if "/" not in k and weights and k in weights]
+    if not heads:
+        return values
+    tokens = len(values[heads[0]])
+    mixed = [
+        round(sum(weights[h] * (values[h][i] or 0.0) for h in heads), 5) for i in range(tokens)
+    ]
+    return {"mixed": mixed, **values}
+
+
 def token_value_names(tokens: list[dict[str, Any]]) -> list[str]:
-    """Every per-token value any row has (a head's advantage, or `<head>/<metric>`)."""
-    names: list[str] = []
+    """Every per-token value any row has: `mixed` (`with_mixed`), each head's advantage, each
+    `<head>/<metric>`."""
+    names: list[str] = ["mixed"] if any(row.get("weights") for row in tokens) else []
     for row in tokens:
         for name in row.get("values") or {}:
             if name not in names:

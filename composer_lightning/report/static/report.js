@@ -65,7 +65,10 @@
       body.append(el("h3", {}, `What the policy says now (held-out, greedy) — after ${first} ` +
         `and after ${last} steps`));
       const list = el("ul", {});
-      for (const p of table.problems.slice(0, 4)) {
+      const reply = (p, s) => (p.at[s] ? p.at[s].reply : null);
+      const changed = table.problems.filter((p) => reply(p, first) !== reply(p, last));
+      const same = table.problems.filter((p) => reply(p, first) === reply(p, last));
+      for (const p of changed.concat(same).slice(0, 4)) {  // what changed first
         const a = p.at[first], b = p.at[last];
         list.append(el("li", {}, el("span", { class: "text" }, p.prompt), " → ",
           verdictBadge(a && a.solved, a ? a.reward : null), " ", el("span", { class: "text" }, a ? a.reply : "—"),
@@ -93,7 +96,7 @@
   }
 
   // ---------------------------------------------------------------- rollouts
-  const rows = DATA.rollouts;
+  const rows = DATA.rollouts.slice().reverse();  // the newest first: what the policy says now
   const names = DATA.token_values;
   const scales = {};  // each value's 95th percentile of |value|: a common colour scale
   for (const name of names) {
@@ -106,7 +109,7 @@
     scales[name] = all.length ? all[Math.min(all.length - 1, Math.floor(all.length * 0.95))] : 1;
   }
   const ui = Object.assign({ search: "", step: "all", signal: "all",
-    colour: names.find((n) => n === "opd") || names.find((n) => n.includes("opd")) || names[0] || "none" },
+    colour: names[0] || "none" },  // `mixed` where the rows have weights: what the surrogate trains
   JSON.parse(sessionStorage.getItem(STATE_KEY) || "{}"));
   if (ui.colour !== "none" && !names.includes(ui.colour)) ui.colour = names[0] || "none";
 
@@ -223,10 +226,13 @@
       legend.replaceChildren(el("span", { class: "swatch", style: { background: "rgba(230,126,34,.8)" } }),
         ` ${ui.colour} per token (darker: larger; scale ${fmt(scales[ui.colour])}). Hover a token for every value.`);
     } else {
+      const what = ui.colour === "mixed"
+        ? "by all advantage heads together (mixed: Σ weight × advantage, what the surrogate trains on)"
+        : `by ${ui.colour}'s advantage alone`;
       legend.replaceChildren(el("span", { class: "swatch", style: { background: "rgba(39,174,96,.8)" } }),
-        " pushed up (positive advantage)  ",
+        " pushed up  ",
         el("span", { class: "swatch", style: { background: "rgba(192,57,43,.8)" } }),
-        ` pushed down, by ${ui.colour} (scale ±${fmt(scales[ui.colour])}). Hover a token for every value.`);
+        ` pushed down, ${what}; scale ±${fmt(scales[ui.colour])}. Hover a token for every value.`);
     }
   }
 
