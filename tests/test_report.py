@@ -344,3 +344,15 @@ def test_episodes_and_served_turns_render_in_chromium(tmp_path):
         assert served[0].split("\t")[:5] == ["alice", "0", "3", "0", "judged"]
         assert served[1].split("\t")[:5] == ["bob", "0", "1", "2", "dropped (stale)"]
         assert browser.errors == []
+
+
+def test_a_serve_runs_store_is_read_where_its_config_puts_it(tmp_path):
+    run_dir = tmp_path / "serve_run" / "version_0"
+    _episode_run(run_dir)
+    store = tmp_path / "elsewhere" / "turns.sqlite"
+    store.parent.mkdir()
+    shutil.move(run_dir.parent / "turns.sqlite", store)
+    assert read_run(str(run_dir)).turns == []
+    config = {"rollout": {"init_args": {"store": str(store)}}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    assert [t["session"] for t in read_run(str(run_dir)).turns] == ["alice", "bob"]

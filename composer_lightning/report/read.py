@@ -89,7 +89,9 @@ def read_run(
     data.kept["heldout"] = (len(data.heldout), len(heldout))
     data.collapse = read_jsonl(run_dir, "collapse.jsonl", data.files)
     data.config = read_config(run_dir, data.files)
-    turns = read_turns(run_dir, data.files)
+    rollout = (data.config.get("rollout") or {}).get("init_args") or {}
+    store = rollout.get("store") if isinstance(rollout, dict) else None
+    turns = read_turns(run_dir, data.files, store if isinstance(store, str) else None)
     data.turns = turns[-max_rows:]
     data.kept["turns"] = (len(data.turns), len(turns))
     return data
@@ -198,14 +200,14 @@ def read_config(run_dir: str, files: list[str]) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def read_turns(run_dir: str, files: list[str]) -> list[dict[str, Any]]:
-    """The served turns of a `serve` run (`turns.sqlite` in the run directory or its parent),
-    oldest first; read-only, and only the columns this report shows."""
-    for where in (run_dir, os.path.dirname(os.path.abspath(run_dir))):
-        path = os.path.join(where, "turns.sqlite")
-        if os.path.isfile(path):
-            break
-    else:
+def read_turns(run_dir: str, files: list[str], store: str | None = None) -> list[dict[str, Any]]:
+    """The served turns of a `serve` run (its configured `store`, else `turns.sqlite` in the run
+    directory or its parent), oldest first; read-only, and only the columns this report shows."""
+    parent = os.path.dirname(os.path.abspath(run_dir))
+    places = [store] if store else []
+    places += [os.path.join(where, "turns.sqlite") for where in (run_dir, parent)]
+    path = next((p for p in places if os.path.isfile(p)), None)
+    if path is None:
         return []
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
