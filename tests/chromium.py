@@ -142,6 +142,24 @@ class Chromium:
             time.sleep(0.25)
         raise TimeoutError(f"{url}: {ready!r} still falsy after {timeout_s} s")
 
+    def wait_until(self, expression: str, done: Any, timeout_s: float = 60.0) -> Any:
+        """Wait, without navigating, until `done(value of expression)` holds (the page may
+        reload itself meanwhile); returns that value.
+
+        Raises:
+            TimeoutError: it never held within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError:  # the page was between two documents
+                value = None
+            if done(value):
+                return value
+            time.sleep(0.25)
+        raise TimeoutError(f"{expression!r} did not get there in {timeout_s} s")
+
     def screenshot(self, height: int | None = None) -> bytes:
         """A PNG of the page's top (the window, or the first `height` CSS pixels)."""
         params: dict[str, Any] = {"format": "png"}

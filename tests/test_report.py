@@ -356,3 +356,33 @@ def test_a_serve_runs_store_is_read_where_its_config_puts_it(tmp_path):
     config = {"rollout": {"init_args": {"store": str(store)}}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     assert [t["session"] for t in read_run(str(run_dir)).turns] == ["alice", "bob"]
+
+
+def test_a_served_page_reloads_itself_when_a_step_lands(run, tmp_path):
+    """`report --serve`'s page in Chromium: a row appended to the run shows up without a
+    reload by hand, and the search typed before it is kept."""
+    _require_chromium()
+    live = tmp_path / "live"
+    shutil.copytree(run, live)
+    server = ReportServer(str(live), refresh_s=0.5)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with Chromium(width=1200, height=800) as browser:
+            ready = "document.body && (document.body.dataset.ready || document.body.dataset.error)"
+            assert browser.open(server.url, ready) == "1", browser.errors
+            browser.evaluate(
+                """(() => { const s = document.getElementById('search');
+                   s.value = 'LANDED'; s.dispatchEvent(new Event('input')); })()"""
+            )
+            row = {"step": 99, "prompt": "p", "completion": "A NEW STEP LANDED", "reward": 1.0}
+            with open(live / "rollouts.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            shown = (
+                "document.body.dataset.ready && document.getElementById('rollout-list').innerText"
+            )
+            text = browser.wait_until(shown, lambda t: "A NEW STEP LANDED" in (t or ""))
+            assert "A NEW STEP LANDED" in text
+            assert browser.evaluate("document.getElementById('search').value") == "LANDED"
+            assert browser.errors == []
+    finally:
+        server.close()

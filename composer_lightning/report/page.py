@@ -79,9 +79,16 @@ def write_report(
     return out
 
 
-def render(data: RunData, *, plain_js: bool = False, refresh_s: float | None = None) -> str:
-    """The page's HTML."""
-    payload = finite(page_data(data) | {"refresh_s": refresh_s})
+def render(
+    data: RunData,
+    *,
+    plain_js: bool = False,
+    refresh_s: float | None = None,
+    stamp: str | None = None,
+) -> str:
+    """The page's HTML; `refresh_s` and `stamp` (the state of the run's files it was read
+    from): the served page reloads when the server's stamp differs (`serve.py`)."""
+    payload = finite(page_data(data) | {"refresh_s": refresh_s, "stamp": stamp})
     # `</` cannot close the script element that holds the JSON
     embedded = json.dumps(payload, ensure_ascii=False, allow_nan=False).replace("</", "<\\/")
     title = html.escape(payload["run"]["name"])

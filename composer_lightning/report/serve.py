@@ -1,8 +1,9 @@
 """`report RUN_DIR --serve`: the report on 127.0.0.1 while the run goes on.
 
 The page is written again when one of the run's files changed (their names, sizes and
-modification times: the "stamp"), at most once per request; the page polls `/stamp` every
-`refresh_s` seconds and reloads when it changes, keeping its search and filters. Only the
+modification times: the "stamp"), at most once per request; the page holds the stamp it was
+written at, asks `/stamp` every `refresh_s` seconds and reloads when the two differ, keeping its
+search and filters. Only the
 loopback interface is bound: the report shows prompts and replies, which are not for the
 network.
 """
@@ -64,7 +65,7 @@ class ReportServer:
             now = stamp(self.run_dir)
             if self._page is None or self._page[0] != now:
                 data = read_run(self.run_dir, **self.options)
-                html = render(data, plain_js=self.plain_js, refresh_s=self.refresh_s)
+                html = render(data, plain_js=self.plain_js, refresh_s=self.refresh_s, stamp=now)
                 self._page = (now, html.encode("utf-8"))
             return self._page[1]
 
@@ -78,6 +79,10 @@ class ReportServer:
                     body, kind = server.page(), "text/html; charset=utf-8"
                 elif path == "/stamp":
                     body, kind = stamp(server.run_dir).encode(), "text/plain"
+                elif path == "/favicon.ico":  # a browser asks: nothing, rather than an error
+                    self.send_response(204)
+                    self.end_headers()
+                    return
                 else:
                     self.send_error(404)
                     return

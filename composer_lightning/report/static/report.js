@@ -329,12 +329,10 @@
 
   function watchForChanges() {
     if (!DATA.refresh_s) return;
-    let seen = null;
-    setInterval(async () => {
+    setInterval(async () => {  // DATA.stamp: the run's files as this page was written from them
       try {
         const stamp = await (await fetch("stamp", { cache: "no-store" })).text();
-        if (seen !== null && stamp !== seen) location.reload();
-        seen = stamp;
+        if (stamp !== DATA.stamp) location.reload();
       } catch (e) { /* the server stopped: keep the page as it is */ }
     }, DATA.refresh_s * 1000);
   }
