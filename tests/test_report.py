@@ -228,12 +228,15 @@ def test_collapse_events_are_marked_on_every_curve():
 
 def test_nothing_in_the_data_can_close_its_script_element(tmp_path):
     (tmp_path / "rollouts.jsonl").write_text(
-        json.dumps({"step": 0, "prompt": "</script><script>alert(1)</script>", "completion": "x"})
+        json.dumps(
+            {"step": 0, "prompt": "</script><script>alert(1)</script>", "completion": "{{js}}"}
+        )
         + "\n"
     )
     page = render(read_run(str(tmp_path)))
     data = json.loads(_embedded(page))
     assert data["rollouts"][0]["prompt"] == "</script><script>alert(1)</script>"
+    assert data["rollouts"][0]["completion"] == "{{js}}"  # not a placeholder of the page
 
 
 def _require_chromium() -> None:

@@ -17,6 +17,7 @@ import html
 import json
 import math
 import os
+import re
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
@@ -96,14 +97,15 @@ def render(
         library = f"<script>{plotly_js(False)}</script>"
     else:
         library = f'<script id="plotly-gz" type="text/plain">{plotly_js(True)}</script>'
-    return (
-        _static("report.html")
-        .replace("{{title}}", title)
-        .replace("{{css}}", _static("report.css"))
-        .replace("{{library}}", library)
-        .replace("{{data}}", embedded)
-        .replace("{{js}}", _static("report.js"))
-    )
+    parts = {
+        "title": title,
+        "css": _static("report.css"),
+        "library": library,
+        "data": embedded,
+        "js": _static("report.js"),
+    }
+    # one pass over the template: nothing inserted (a prompt, plotly.js) is read for `{{…}}`
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: parts[m.group(1)], _static("report.html"))
 
 
 def finite(value: Any) -> Any:
