@@ -200,6 +200,8 @@ def test_heldout_rows_keep_the_first_evaluations_problems_at_every_step():
     rows += [{"step": s, "prompt": p, "completion": "x"} for s in (0, 10) for p in "abc"]
     kept = sorted((r["step"], r["prompt"]) for r in same_problems(rows, 2))
     assert kept == [(0, "a"), (0, "b"), (10, "a"), (10, "b")]
+    many = [{"step": s, "prompt": "a", "completion": "x"} for s in range(100)]
+    assert [r["step"] for r in same_problems(many, 2, evaluations=4)] == [0, 33, 66, 99]
 
 
 def test_the_step_time_is_split_into_its_parts_on_the_step_they_belong_to():
@@ -389,3 +391,18 @@ def test_a_served_page_reloads_itself_when_a_step_lands(run, tmp_path):
             assert browser.errors == []
     finally:
         server.close()
+
+
+def test_fit_adds_one_run_report_unless_the_config_has_its_own():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from composer_lightning.report.callback import RunReport, with_run_report
+
+    other = ModelCheckpoint()
+    (added,) = [c for c in with_run_report([other], [other]) if isinstance(c, RunReport)]
+    assert added.limits["max_rows"] == 400
+    mine = RunReport(max_rows=5)
+    assert with_run_report([other, mine], []) == []
+    assert with_run_report(mine, [other]) == [other]  # a single configured callback
+    with pytest.raises(ValueError, match="RunReport.max_rows must be an integer >= 1, got 0"):
+        RunReport(max_rows=0)

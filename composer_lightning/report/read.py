@@ -161,11 +161,19 @@ def sample_by_step(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any
     return [row for row in rows if row.get("step", 0) in chosen]
 
 
-def same_problems(rows: list[dict[str, Any]], problems: int) -> list[dict[str, Any]]:
-    """The held-out rows of the first `problems` problems of the first evaluation, at every
-    evaluation: the same prompts side by side, step by step."""
+def same_problems(
+    rows: list[dict[str, Any]], problems: int, evaluations: int = 12
+) -> list[dict[str, Any]]:
+    """The held-out rows of the first `problems` problems of the first evaluation, at up to
+    `evaluations` evenly spaced evaluations (the first and the last among them): the same
+    prompts side by side, step by step."""
     if not rows:
         return []
+    steps = sorted({row.get("step", 0) for row in rows})
+    if len(steps) > evaluations:
+        last = len(steps) - 1
+        kept = {steps[round(i * last / (evaluations - 1))] for i in range(evaluations)}
+        rows = [row for row in rows if row.get("step", 0) in kept]
     first = min(row.get("step", 0) for row in rows)
     chosen: list[str] = []
     for row in rows:
