@@ -28,6 +28,7 @@ LAYERS: tuple[str, ...] = (
     "protocols",  # the typed hand-offs: RolloutBatch, and what a head reads
     "heads",  # the loss heads and their registry
     "callbacks",  # Lightning callbacks of general use: progress, stop, checkpoints, samples
+    "report",  # the run report: a run's files drawn as one HTML page, and what it reads
     "training",  # the step: the module, its forwards, micro-batches, mixing, the canary
     "rollout",  # generation, episodes, dispatch, validation: the rollout callback
     "datamodules",  # prompt streams and recorded traces

@@ -26,10 +26,19 @@ commands:
   export     a checkpoint as a Hugging Face model directory, or its LoRA adapter
              (export --ckpt_path CKPT --out DIR [--adapter] [--dtype ...])
   heads      the registered loss heads, built-in and plugins
+  report     one HTML page of a run's curves, rollouts and per-token pushes (report RUN_DIR)
   from-trl   a TRL GRPO config (the YAML `trl grpo --config` takes) as a fit config
              (from-trl grpo.yaml [--num-processes N] > run.yaml)
 
 Each command's own options: python -m composer_lightning <command> --help"""
+
+
+#: The commands that are not a Lightning subcommand: their modules, each with a `main(argv)`.
+TOOLS = {
+    "from-trl": "composer_lightning.from_trl",
+    "export": "composer_lightning.models.export",
+    "report": "composer_lightning.report.cli",
+}
 
 
 def list_heads(stream=sys.stdout) -> int:
@@ -218,14 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "heads":
         return list_heads()
-    if args and args[0] == "from-trl":
-        from composer_lightning.from_trl import main as from_trl
-
-        return from_trl(args[1:])
-    if args and args[0] == "export":
-        from composer_lightning.models.export import main as export
-
-        return export(args[1:])
+    if args and args[0] in TOOLS:  # commands of their own, each with its own `main`
+        return importlib.import_module(TOOLS[args[0]]).main(args[1:])
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from composer_lightning.callbacks.curves import Curves
     from composer_lightning.callbacks.progress import StepProgress
+    from composer_lightning.report.callback import with_run_report
     from composer_lightning.rollout.callback import RolloutCallback
     from composer_lightning.runtime.logs import quiet_lightning
 
@@ -281,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         def _instantiate_trainer(self, config, callbacks):
             if not config.get("default_root_dir"):  # never the working tree: runs/<config name>
                 config["default_root_dir"] = os.path.join("runs", self._run_name())
-            return super()._instantiate_trainer(config, [c for c in callbacks if c is not None])
+            # the run report at the end of every fit, unless the config has its own
+            callbacks = with_run_report(config.get("callbacks"), [c for c in callbacks if c])
+            return super()._instantiate_trainer(config, callbacks)
 
         def before_fit(self) -> None:
             # what cannot be honoured is said before any engine starts

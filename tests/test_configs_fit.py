@@ -148,7 +148,7 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
     assert glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
     (samples,) = glob.glob(str(tmp_path / "**" / "rollouts.jsonl"), recursive=True)
     rows = [json.loads(line) for line in open(samples)]
-    assert rows and set(rows[0]) == {"step", "prompt", "completion", "reward", "hint"}
+    assert rows and {"step", "prompt", "completion", "reward", "hint", "signal"} <= set(rows[0])
     assert glob.glob(str(tmp_path / "**" / "curves.png"), recursive=True)
 
 

@@ -141,6 +141,6 @@ def test_a_wandb_run_from_the_command_line_keeps_everything_in_its_directory(tmp
     assert out.returncode == 0, out.stderr[-3000:]
     assert set(os.listdir(ROOT)) == before
     (run,) = glob.glob(f"{tmp_path}/{project}/*")
-    assert sorted(os.listdir(run)) == ["checkpoints", "curves.png", "rollouts.jsonl"]
+    assert sorted(os.listdir(run)) == ["checkpoints", "curves.png", "report.html", "rollouts.jsonl"]
     assert os.path.isfile(os.path.join(run, "checkpoints", "last.ckpt"))
     assert glob.glob(f"{tmp_path}/wandb/offline-run-*/files/media/table/rollouts_*")

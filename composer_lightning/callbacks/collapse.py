@@ -17,8 +17,9 @@ fall, what fell, from what, to what, and since when:
   below (the tool policy drifted to non-calls before its replies ran out of tokens).
 
 A condition that clears and comes back is said again. `stop=True` also stops the run there
-(a checkpoint follows as at any stop). The module adds one with the defaults unless the trainer
-has one of its own.
+(a checkpoint follows as at any stop). Each line also goes to `collapse.jsonl` in the run
+directory, which the run report marks on its curves. The module adds one with the defaults
+unless the trainer has one of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import lightning as L
 
 from composer_lightning.runtime.distributed import world
+from composer_lightning.runtime.rundir import append_rows
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +156,9 @@ class CollapseWatch(L.Callback):
         if not lines:
             return
         self.lines += lines
+        # for the run report's curves: at the step the metrics that fell are logged at
+        at = {"step": max(trainer.global_step - 1, 0)}
+        append_rows(trainer, "collapse.jsonl", [at | {"line": line} for line in lines])
         if world()[0] == 0:
             for line in lines:
                 log.warning(

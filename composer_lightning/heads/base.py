@@ -83,12 +83,17 @@ class HeadOutput:
         active_mask: `[B, T]` bool, tokens where the advantage term is defined (used by variance
             matching); None means the response mask.
         metrics: scalars, logged as `<head name>/<metric>`.
+        token_metrics: `[B, T]` per-token values of the head's own (detached), e.g. SDPO's
+            divergence at each supervised token: never logged nor in the loss; read by
+            whatever observes the objective (the run report's per-token details,
+            `report/tokens.py`). An advantage head's per-token values are its `advantages`.
     """
 
     advantages: Tensor | None = None
     loss: Tensor | None = None
     active_mask: Tensor | None = None
     metrics: dict[str, Tensor | float] = field(default_factory=dict)
+    token_metrics: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.advantages is None) == (self.loss is None):
@@ -97,6 +102,10 @@ class HeadOutput:
             raise ValueError(
                 f"HeadOutput.loss must be a scalar, got shape {tuple(self.loss.shape)}"
             )
+        for key, value in self.token_metrics.items():
+            if not isinstance(value, Tensor) or value.dim() != 2:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"HeadOutput.token_metrics[{key!r}] must be [B, T], got {shape}")
 
 
 class Head(ABC):

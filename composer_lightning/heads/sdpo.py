@@ -92,6 +92,8 @@ class SDPOHead(Head):
         )  # [N] each
         n = int(mask.sum())
         loss = per_token.sum() / max(n, 1)  # 0, still attached to the graph, when n = 0
+        jsd = per_token.new_zeros(mask.shape)  # [B, T], each supervised token's divergence
+        jsd[mask] = per_token.detach()
         return HeadOutput(
             loss=loss,
             metrics={
@@ -100,4 +102,5 @@ class SDPOHead(Head):
                 "tokens": float(n),
                 "misaligned": float(misaligned.sum()),
             },
+            token_metrics={"jsd": jsd},
         )

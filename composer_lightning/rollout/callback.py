@@ -67,6 +67,7 @@ from composer_lightning.runtime.distributed import (
 )
 from composer_lightning.runtime.inputs import check_episode_room, check_prompt_lengths
 from composer_lightning.runtime.resume import Differences
+from composer_lightning.runtime.rundir import append_rows
 from composer_lightning.tasks.base import HintProvider, ScoreProvider
 from composer_lightning.tasks.verifiers import VerifierScore
 from composer_lightning.training.canary import check_fingerprint
@@ -397,6 +398,7 @@ class RolloutCallback(L.Callback):
                 return self.episodes.run(generate, dm, batch["problems"], prompts, n, sampling)
 
         share_trainer_state([self.val_score], trainer)
+        replies: list[dict[str, Any]] = []  # the greedy replies, for the run report
         batch["val"] = evaluate(
             generate,
             self.val_score,
@@ -408,7 +410,10 @@ class RolloutCallback(L.Callback):
             seed,
             self.val_threshold,
             episodes,
+            replies,
         )
+        after = {"step": trainer.global_step}
+        append_rows(trainer, "heldout.jsonl", [after | row for row in replies])
 
     # ------------------------------------------------------------------ generate
     def on_train_batch_start(

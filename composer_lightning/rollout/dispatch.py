@@ -24,12 +24,8 @@ from composer_lightning.rollout.episodes import Episode, Turn
 from composer_lightning.rollout.hint_check import HintCheck, placebo_hints
 from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
-from composer_lightning.rollout.providers import (
-    provider_components,
-    provider_logs,
-    provider_values,
-)
-from composer_lightning.rollout.sample_rows import first_of_groups, sample_row
+from composer_lightning.rollout.providers import provider_components, provider_logs, provider_values
+from composer_lightning.rollout.sample_rows import first_of_groups, sample_row, signal_of
 from composer_lightning.runtime.calls import hint_candidates
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
@@ -158,7 +154,7 @@ def build_rollout(
         the first `samples_per_step` prompts (a single turn: prompt, completion, reward, hint;
         an episode: its chat `messages`, each assistant turn with its reward and hint; with
         `hinted`, the group's first hinted reply and its score, `hinted_reply` and
-        `hinted_reward`).
+        `hinted_reward`; and the fields `sample_rows.py` names: `signal`, `teacher_*`).
 
     Raises:
         ScoringError: every episode failed, every score call failed, or every turn was
@@ -323,10 +319,13 @@ def build_rollout(
         rollout.response_mask &= ~truncated[:, None]
         rollout.sdpo_mask &= ~truncated[:, None]
     by_turn = {turns[k]: (row_rewards[k], hints[k]) for k in range(len(turns))}
+    path = dict(zip(turns, map(signal_of, row_rewards, row_hints), strict=True))
     rows = [
         sample_row(ep, rewards[n], [by_turn[(n, t)] for t in range(len(ep.turns))])
         | ({"extra": extras[n]} if extras.get(n) else {})
         | shown.get(int(batch["index"]) * P + live[n][0], {})
+        | (check.teacher_replies.get(int(batch["index"]) * P + live[n][0], {}) if check else {})
+        | {"signal": [path[(n, t)] for t in range(len(ep.turns))]}
         for n, ep in first_of_groups(live)
     ][:samples_per_step]
     for kind, count in (("score", failures), ("hint", hint_failures)):

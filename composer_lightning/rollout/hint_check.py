@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -103,6 +103,9 @@ class HintCheck:
     generate: Callable[[list[list[int]], int, SamplingConfig], list[list[Completion]]]
     sampling: SamplingConfig
     collective: bool = False
+    #: each checked group's hint, the hinted teacher's greedy reply to it and its score (the
+    #: sample rows show them)
+    teacher_replies: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def trusted_groups(
         self,
@@ -186,6 +189,13 @@ class HintCheck:
         provider_logs(score)
         by_prompt: dict[int, float | None] = dict(zip(scored, values, strict=True))
         n = len(checked)
+        for k, (c, reply) in enumerate(zip(checked, replies, strict=False)):  # the teacher's
+            said = reply.text or tokenizer.decode(reply.token_ids, skip_special_tokens=True)
+            self.teacher_replies[c.group] = {
+                "teacher_hint": c.hint,
+                "teacher_reply": said,
+                "teacher_reward": by_prompt.get(k),
+            }
         return [by_prompt.get(k) for k in range(n)], [by_prompt.get(n + k) for k in range(n)]
 
 

@@ -1,5 +1,11 @@
 """The rows of `rollouts.jsonl` (and TensorBoard's TEXT tab) a rollout batch writes: one per
-problem, its first live episode, as a user reads it (`callbacks/samples.py` writes them)."""
+problem, its first live episode, as a user reads it (`callbacks/samples.py` writes them).
+
+Beside `sample_row`'s fields, `dispatch.build_rollout` gives each row `signal`, each turn's path
+through the four-way dispatch (`signal_of`), and where the hint check ran on the row's group,
+`teacher_hint`, `teacher_reply` and `teacher_reward`: the hint it checked, the hinted
+teacher's greedy reply to it and that reply's score (`hint_check.py`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,20 @@ from typing import Any
 
 from composer_lightning.rollout.episodes import Episode
 from composer_lightning.runtime.calls import hint_candidates
+
+#: Each sample's path by (usable score, accepted hint), named as the `dispatch/...` counts.
+SIGNALS = {
+    (True, True): "opd_rl",
+    (False, True): "opd_only",
+    (True, False): "rl_only",
+    (False, False): "dropped",
+}
+
+
+def signal_of(reward: float | None, hint: Any) -> str:
+    """A turn's path through the dispatch, from its reward (None: no usable score) and the hint
+    its teacher context was made from (None: no accepted, trusted hint)."""
+    return SIGNALS[(reward is not None, hint is not None)]
 
 
 def first_of_groups(live: list[tuple[int, Episode]]) -> list[tuple[int, Episode]]:

@@ -29,6 +29,7 @@ from composer_lightning.chat import problem_messages
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.rollout.episodes import Episode, one_turn_episodes
 from composer_lightning.rollout.providers import provider_logs, provider_values
+from composer_lightning.rollout.sample_rows import sample_row
 from composer_lightning.tasks.base import Problem, ScoreProvider
 
 
@@ -58,6 +59,7 @@ def evaluate(
     seed: int,
     threshold: float = 1.0,
     episodes: Callable[[list[list[int]], int, SamplingConfig], list[list[Episode]]] | None = None,
+    replies: list[dict[str, Any]] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Accuracy, pass@k, mean reward and mean response length of one batch of held-out prompts.
 
@@ -75,6 +77,9 @@ def evaluate(
             on the batch's problems): an episode is scored by its environment's outcome or the
             score provider on its final turn, its length is that of all its assistant turns.
             None: one turn per completion of `generate`.
+        replies: where given, each prompt's greedy reply is appended to it as a row of
+            `heldout.jsonl` (`sample_row`'s prompt and completion, or an episode's chat, with
+            its score as `reward` and `solved`), for the run report.
 
     Returns:
         Each figure as `(value, weight)`: the weight is the number of things it is a mean
@@ -110,7 +115,16 @@ def evaluate(
     def solved(value: float | None) -> bool:
         return value is not None and value >= threshold
 
-    greedy = scores(run(prompts, 1, replace(sampling, temperature=0.0, seed=seed)))
+    greedy_episodes = run(prompts, 1, replace(sampling, temperature=0.0, seed=seed))
+    greedy = scores(greedy_episodes)
+    if replies is not None:
+        for (ep,), (value,) in zip(greedy_episodes, greedy, strict=True):
+            if not ep.turns:  # an episode that failed before its first turn
+                continue
+            row = sample_row(ep, value, [(None, None)] * len(ep.turns))
+            replies.append(
+                {k: v for k, v in row.items() if k != "hint"} | {"solved": solved(value)}
+            )
     groups = run(prompts, k, replace(sampling, seed=seed))
     sampled = scores(groups)
     rewards = [v for group in sampled for v in group if v is not None]

@@ -22,6 +22,7 @@ passes them through.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -198,6 +199,10 @@ class Objective:
             raise ValueError(f"importance_cap must be >= 1 or None, got {importance_cap}")
         self.mixing, self.variance_matching = mixing, variance_matching
         self.importance_cap = importance_cap
+        #: called as `observe(batch, ctx, outputs, weights)` with each minibatch's head outputs
+        #: and effective weights (the run report's per-token details, `report/tokens.py`);
+        #: empty unless something asks, so the step pays nothing for it
+        self.observers: list[Callable[..., None]] = []
 
     def weights(self, step: int) -> dict[str, float]:
         """Every head's effective weight at optimizer step `step`."""
@@ -319,6 +324,8 @@ class Objective:
                 )
             metrics.update(gradient_shares(gram, names))
         metrics.update({f"{name}/weight": w for name, w in effective.items()})
+        for observe in self.observers:
+            observe(batch, ctx, outputs, effective)
         for name, out in outputs.items():
             if out.loss is not None:
                 total = total + effective[name] * out.loss
