@@ -102,8 +102,13 @@ class RolloutCallback(L.Callback):
         score: score provider; default the task verifier.
         hint: hint provider; None gives no teacher (no OPD/SDPO signal). It is not called
             (nor any teacher run) while no head with a non-zero weight reads a teacher.
-        hint_role: where the hint goes: a "user" or "system" message after the prompt, or
-            "inline", appended to the prompt's last message (`chat.with_hint`).
+        hint_role: where the hint goes: "inline" (default), appended to the prompt's last
+            message, or a "user" or "system" message after it (`chat.with_hint`). Inline, the
+            hinted teacher answers the question as the student does; as a message of its own
+            a chat model answers the message ("I'm sorry for any confusion, …"), and OPD and
+            SDPO then teach that tone: told the answer as a user message, SmolLM2 fell from
+            0.23 to 0 held-out under OPD x1, checked and capped, where inline it did not
+            (docs/benchmarks.md).
         samples_every_n_steps: every this many steps, `samples_per_step` of rank 0's samples
             (prompt, completion, reward, hint; the group's first hinted reply with
             `hinted_replies`) go to `rollouts.jsonl` in the run directory and to TensorBoard's
@@ -163,7 +168,7 @@ class RolloutCallback(L.Callback):
         sampling: SamplingConfig | None = None,
         score: ScoreProvider | None = None,
         hint: HintProvider | None = None,
-        hint_role: Literal["user", "system", "inline"] = "user",
+        hint_role: Literal["user", "system", "inline"] = "inline",
         samples_every_n_steps: int = 10,
         samples_per_step: int = 4,
         val_samples: int = 4,

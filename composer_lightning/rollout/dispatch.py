@@ -21,7 +21,7 @@ from composer_lightning.chat import TraceSample, single_turn_teacher
 from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.episodes import Episode, Turn
-from composer_lightning.rollout.hint_check import HintCheck, placebo_hints
+from composer_lightning.rollout.hint_check import HintCheck, checked_hints
 from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import provider_components, provider_logs, provider_values
@@ -226,19 +226,10 @@ def build_rollout(
         else ([None] * len(turns), 0)
     )
     groups = [int(batch["index"]) * len(prompts) + live[e][0] for e, _ in turns]
-    if placebo_seed is not None:  # every hint is another problem's
-        hints = placebo_hints(hints, groups, placebo_seed)
-    row_hints = hints if teacher else [None] * len(turns)  # else they only seed hinted replies
-    check_metrics = StepMetrics()
-    if check is not None:
-        episodes_of = [(live[e][1], t) for e, t in turns]
-        trusted, check_metrics = check.trusted_groups(
-            tokenizer, episodes_of, groups, hints, hint_role, score
-        )
-        if trusted is not None and teacher:  # no teacher where it does not know better
-            row_hints = [
-                h if g in trusted else None for h, g in zip(row_hints, groups, strict=True)
-            ]
+    episodes_of = [(live[e][1], t) for e, t in turns]
+    hints, row_hints, check_metrics = checked_hints(
+        check, placebo_seed, tokenizer, episodes_of, groups, hints, hint_role, score, teacher
+    )
     keep, counts = dispatch(
         [r is not None for r in row_rewards], [h is not None for h in row_hints]
     )
@@ -303,7 +294,6 @@ def build_rollout(
     hinted_metrics = StepMetrics()
     shown: dict[int, dict[str, Any]] = {}  # each group's first hinted reply, for its sample row
     if hinted is not None:  # each turn's group id as its row's
-        episodes_of = [(live[e][1], t) for e, t in turns]
         args = (tokenizer, episodes_of, groups, hints, hint_role, score)
         rollout.hinted, hinted_metrics, texts = hinted.from_turns(*args)
         for g, r, ok, text in zip(

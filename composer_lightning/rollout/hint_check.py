@@ -199,6 +199,36 @@ class HintCheck:
         return [by_prompt.get(k) for k in range(n)], [by_prompt.get(n + k) for k in range(n)]
 
 
+def checked_hints(
+    check: HintCheck | None,
+    placebo_seed: int | None,
+    tokenizer: Any,
+    turns: list[tuple[Any, int]],
+    groups: list[int],
+    hints: list[Any],
+    hint_role: str,
+    score: ScoreProvider,
+    teacher: bool,
+) -> tuple[list[Any], list[Any], StepMetrics]:
+    """A batch's hints as the dispatch uses them: with `placebo_seed` each another problem's
+    (`placebo_hints`); the rows' teacher hints (none without `teacher`, a head that reads
+    one), only in the groups `check` trusts.
+
+    Returns:
+        The hints (what the hinted replies and the sample rows use), the rows' teacher hints,
+        and the check's `hint/...` metrics.
+    """
+    if placebo_seed is not None:
+        hints = placebo_hints(hints, groups, placebo_seed)
+    rows = hints if teacher else [None] * len(hints)  # else they only seed hinted replies
+    if check is None:
+        return hints, rows, StepMetrics()
+    trusted, metrics = check.trusted_groups(tokenizer, turns, groups, hints, hint_role, score)
+    if trusted is not None:  # no teacher where it does not know better
+        rows = [h if g in trusted else None for h, g in zip(rows, groups, strict=True)]
+    return hints, rows, metrics
+
+
 def hint_line(reduced: dict[str, float], trust: str, placebo: bool) -> str | None:
     """The step-0 line that says whether the hint helps the teacher on this task, from the
     check's metrics reduced over ranks; None when nothing was checked."""
