@@ -10,8 +10,13 @@ tokenizer, chat template and generation config. So the trainer, every engine (vL
 directory as it reads any other) and the tokenizer all read the same files. The checkpoint's
 hyper-parameters keep the spec itself.
 
-The directory is named by the file's SHA-256 (and this converter's version): the same file
-converts once per cache, wherever it lies, and a changed file converts again. It is built
+The tokenizer encodes as the file says: transformers drops the file's tokenizer flags (Gemma's
+`add_bos_token`), which `models/gguf_tokenizer.py` sets again, and the directory written is
+reloaded and checked against the file before it is used.
+
+The directory is named by the file's SHA-256, this converter's version and transformers'
+version (whose GGUF reader builds the directory): the same file converts once per cache,
+wherever it lies, and a changed file, converter or reader converts again. It is built
 beside its final name and renamed into place, so a crash mid-conversion leaves no half
 directory; the first process to rename wins and the others use its directory (not
 `runtime/atomic.swap_dir`, which would replace it). The cache is
@@ -26,13 +31,22 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from functools import lru_cache
 
+from composer_lightning.models.gguf_tokenizer import (
+    TokenizerKeys,
+    apply_tokenizer_keys,
+    read_tokenizer_keys,
+    tokenizer_mismatches,
+)
+
 #: Bumped when the conversion's output changes, so old cache entries are not reused.
-CONVERTER_VERSION = 1
+#: 2: the file's tokenizer flags (BOS, space prefix, ...) and end-of-turn ids are kept.
+CONVERTER_VERSION = 2
 
 PACKAGE_PREFIX = "pkg:"
 
@@ -95,6 +109,14 @@ def file_digest(path: str) -> str:
     return _digest(path, st.st_size, st.st_mtime_ns)
 
 
+def cache_key(digest: str) -> str:
+    """The cache directory's name for a file of SHA-256 `digest`: the digest, this converter's
+    version and transformers' (module docstring)."""
+    from transformers import __version__ as transformers_version
+
+    return f"{digest[:32]}-v{CONVERTER_VERSION}-transformers{transformers_version}"
+
+
 def resolve_gguf(spec: str, what: str = "model") -> str:
     """The converted model directory of the GGUF file `spec` names, converting it if the cache
     lacks it.
@@ -102,12 +124,12 @@ def resolve_gguf(spec: str, what: str = "model") -> str:
     Raises:
         FileNotFoundError: the file is not there (`gguf_path`).
         ValueError: one line naming the file: not a GGUF file (wrong magic, truncated, corrupt),
-            an architecture or quantisation transformers cannot dequantise, or the `gguf`
-            package missing.
+            an architecture or quantisation transformers cannot dequantise, a tokenizer that
+            cannot encode as the file says, or the `gguf` package missing.
     """
     path = gguf_path(spec, what)
     _check_header(path, what)
-    key = f"{file_digest(path)[:32]}-v{CONVERTER_VERSION}"
+    key = cache_key(file_digest(path))
     target = os.path.join(gguf_cache_dir(), key)
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
@@ -135,7 +157,8 @@ def _check_header(path: str, what: str) -> None:
 
 
 def convert_gguf(path: str, out: str, what: str = "model") -> None:
-    """Write the plain fp32 HF model directory of the GGUF file `path` into `out`."""
+    """Write the plain fp32 HF model directory of the GGUF file `path` into `out`, its
+    tokenizer encoding as the file's tokenizer keys say (`models/gguf_tokenizer.py`)."""
     try:
         import gguf  # noqa: F401  (transformers reads GGUF through it)
     except ImportError:
@@ -147,6 +170,7 @@ def convert_gguf(path: str, out: str, what: str = "model") -> None:
 
     folder, name = os.path.split(path)
     try:
+        keys = TokenizerKeys.of(read_tokenizer_keys(path))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as exc:  # transformers' own message says which architecture or type
@@ -156,14 +180,47 @@ def convert_gguf(path: str, out: str, what: str = "model") -> None:
             "file of an architecture and quantisation transformers dequantises (e.g. llama, "
             "qwen2, gemma3; F32, F16, Q4_x, Q8_0)"
         ) from None
+    apply_tokenizer_keys(tokenizer, keys, what)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights below are plain fp32 tensors
     config.dtype = torch.float32
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config or GenerationConfig.from_model_config(config)
+    generation = loaded.generation_config or GenerationConfig.from_model_config(config)
+    generation.eos_token_id = _end_ids(generation.eos_token_id, keys.end_ids)
+    plain.generation_config = generation
     plain.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out, keys, f"{what}: the tokenizer converted from {path}")
     with open(os.path.join(out, "gguf_source.txt"), "w", encoding="utf-8") as f:
         f.write(f"{os.path.basename(path)}\nsha256 {file_digest(path)}\n")
+
+
+def _end_ids(eos: int | list[int] | None, end_ids: tuple[int, ...]) -> int | list[int] | None:
+    """The model's EOS id(s) with the file's end-of-turn ids (llama.cpp ends generation at
+    both), one id as an int as transformers writes it."""
+    ids = sorted({*([] if eos is None else [eos] if isinstance(eos, int) else eos), *end_ids})
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
+def save_tokenizer(tokenizer: object, out: str, keys: TokenizerKeys, what: str) -> None:
+    """Save `tokenizer` into `out` as `TokenizersBackend`, so that `AutoTokenizer` reads its
+    `tokenizer.json` as written (a class such as `GemmaTokenizer` rebuilds its normalizer from
+    its own defaults on load, dropping a space prefix); then reload it and check it encodes as
+    `keys` say.
+
+    Raises:
+        ValueError: the reloaded tokenizer encodes otherwise (one line saying where).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    config_file = os.path.join(out, "tokenizer_config.json")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "TokenizersBackend"
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    wrong = tokenizer_mismatches(AutoTokenizer.from_pretrained(out), keys)
+    if wrong:
+        raise ValueError(f"{what} does not encode as the file says: {'; '.join(wrong)}")
