@@ -121,6 +121,10 @@ class EngineContext:
         rank: global rank. world_size: number of ranks. local_rank: rank on this node.
         device: the rank's device ("cpu", "cuda:1").
         model_path: the policy's directory, for an engine configured without one.
+        tokens_needed: the most tokens (prompt + completion, or an episode's budget) one
+            sequence of the run needs, as the rollout callback's setup checks found it
+            (`runtime/inputs.tokens_needed`); an engine that sizes its context to the run
+            (`VLLMEngine` without `max_model_len`) sizes it from this. None: unknown.
     """
 
     rank: int = 0
@@ -128,9 +132,12 @@ class EngineContext:
     local_rank: int = 0
     device: str = "cpu"
     model_path: str | None = None
+    tokens_needed: int | None = None
 
     @classmethod
-    def current(cls, model_path: str | None = None) -> EngineContext:
+    def current(
+        cls, model_path: str | None = None, tokens_needed: int | None = None
+    ) -> EngineContext:
         """This process's place in the default process group (one process without one)."""
         import os
 
@@ -143,7 +150,7 @@ class EngineContext:
         )
         local = int(os.environ.get("LOCAL_RANK", rank if size > 1 else 0))
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return cls(rank, size, local, device, model_path)
+        return cls(rank, size, local, device, model_path, tokens_needed)
 
 
 @runtime_checkable

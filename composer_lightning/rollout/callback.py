@@ -230,16 +230,22 @@ class RolloutCallback(L.Callback):
             "rollout.hint": self.hint,
             "rollout.val_score": self.val_score,
         }
-        self._context = check_inputs(
+        checked = check_inputs(
             trainer,
             pl_module,
             self.engine,
             self.sampling,
             providers,
             self.episodes.max_episode_tokens,
+            self.episodes.max_turns,
         )
+        self._context = checked.context
         self.episodes.context_length = None if self._context is None else self._context[0]
-        context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
+        # the engine sizes its context from the same need the checks sized it from
+        context = EngineContext.current(
+            model_path=getattr(pl_module, "policy_path", None),
+            tokens_needed=checked.tokens_needed,
+        )
         tp = self.engine.tensor_parallel_size
         check_engine_layout(context.world_size, tp, self.episodes.max_turns, self.max_staleness)
         if self._base_seed is None:  # drawn once, by rank 0: every rank samples from it
