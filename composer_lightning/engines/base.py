@@ -36,6 +36,11 @@ class SamplingConfig:
         max_tokens: the most tokens generated per completion (≥ 1).
         stop_token_ids: generation stops after any of these (the stop token is kept), and
             after any EOS id the model declares.
+        stop: texts that end a completion: generation stops after any token whose text holds
+            one of them (the token is kept), e.g. `["\n"]` for a base model, which does not
+            stop on its own. Engines read token ids only: the rollout callback adds these
+            tokens to `stop_token_ids` from the data's tokenizer (`stop_text_ids`); a text
+            that spans two tokens is not caught, one character always is.
         seed: a seed for reproducible sampling; None draws fresh randomness.
         ignore_eos: do not stop at the model's EOS ids (fixed-length benchmarks).
     """
@@ -50,6 +55,7 @@ class SamplingConfig:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -72,6 +78,9 @@ class SamplingConfig:
                 f"{self.generation_kwargs!r}"
             )
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if isinstance(self.stop, str) or not all(isinstance(t, str) and t for t in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
 
     @property
     def shaped(self) -> bool:
@@ -297,6 +306,16 @@ def model_eos_ids(model_path: str | None = None, generation_config: object = Non
     if eos is None:
         return []
     return sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])})
+
+
+def stop_text_ids(tokenizer: Any, texts: list[str]) -> list[int]:
+    """The ids of the tokens whose text holds any of `texts` (`SamplingConfig.stop`): each
+    token decoded alone, as the engine will sample it (every token holding a newline, for
+    `["\n"]`: Gemma's `\n`, `\n\n`, ...)."""
+    if not texts:
+        return []
+    decoded = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return [i for i, text in enumerate(decoded) if any(t in text for t in texts)]
 
 
 def resolve_model_dir(model_path: str | None, owner: str) -> str | None:

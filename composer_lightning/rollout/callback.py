@@ -29,7 +29,12 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from composer_lightning.callbacks.samples import write_samples
-from composer_lightning.engines.base import EngineContext, RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import (
+    EngineContext,
+    RolloutEngine,
+    SamplingConfig,
+    stop_text_ids,
+)
 from composer_lightning.engines.fingerprint import Fingerprint, FingerprintRecorder
 from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
 from composer_lightning.models.weights import iter_hf_weights
@@ -218,6 +223,7 @@ class RolloutCallback(L.Callback):
         self._push_time = 0.0
         self._tp_group: Any = None
         self._base_seed = self.sampling.seed
+        self._stop_ids: tuple[Any, list[int]] | None = None  # (tokenizer, its stop texts' ids)
 
     # ------------------------------------------------------------------ start and sync
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -347,11 +353,13 @@ class RolloutCallback(L.Callback):
         self._push_time = self._push(pl_module)  # logged with the next step's metrics
 
     def _sampling(self, tokenizer: Any) -> SamplingConfig:
-        """The sampling settings with the tokenizer's EOS among the stops (engines add the
-        model's own EOS ids)."""
+        """The sampling settings with the tokenizer's EOS and the tokens holding a `stop` text
+        among the stop ids (engines add the model's own EOS ids), found once per tokenizer."""
+        if self._stop_ids is None or self._stop_ids[0] is not tokenizer:
+            self._stop_ids = (tokenizer, stop_text_ids(tokenizer, self.sampling.stop))
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        stops = sorted(set(self.sampling.stop_token_ids) | set(eos))
-        return replace(self.sampling, stop_token_ids=stops)
+        stops = sorted(set(self.sampling.stop_token_ids) | set(eos) | set(self._stop_ids[1]))
+        return replace(self.sampling, stop_token_ids=stops, stop=[])
 
     # ------------------------------------------------------------------ held-out evaluation
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
