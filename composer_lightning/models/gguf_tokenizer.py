@@ -127,6 +127,7 @@ class TokenizerKeys:
 
     @classmethod
     def of(cls, keys: dict[str, Any]) -> TokenizerKeys:
+        """The keys `read_tokenizer_keys` returned, by meaning."""
         ggml = {k.removeprefix("ggml."): v for k, v in keys.items() if k.startswith("ggml.")}
         flag = lambda name: None if ggml.get(name) is None else bool(ggml[name])  # noqa: E731
         return cls(

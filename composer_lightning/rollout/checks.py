@@ -18,6 +18,7 @@ import lightning as L
 from composer_lightning.chat import HINT_ROLES
 from composer_lightning.engines.base import RolloutEngine, SamplingConfig
 from composer_lightning.heads.base import HINTED_REPLIES
+from composer_lightning.runtime.distributed import most
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.inputs import (
     check_episode_room,
@@ -131,6 +132,8 @@ def check_inputs(
         max_episode_tokens,
         getattr(dm, "max_prompt_length", None),
     )
+    if needed is not None:  # every rank's engine one size (a tensor-parallel group must agree)
+        needed = most(needed)
     context = context_length(engine, getattr(pl_module, "policy_path", None), needed)
     check_episode_room(prompts, max_episode_tokens)
     if context is not None:
