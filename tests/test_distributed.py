@@ -13,6 +13,7 @@ from composer_lightning.runtime.distributed import (
     RankError,
     StepMetrics,
     agree,
+    most,
     own,
     per_rank,
     shared_seed,
@@ -68,6 +69,7 @@ def _rank(rank: int, store: str, results: dict) -> None:
         "seed": shared_seed(),
         "per_rank": per_rank({"rank": rank}),
         "own": own([f"state of {r}" for r in range(2)]),
+        "most": most(10 + 5 * rank),  # the tokens each rank's prompts need: one engine size
     }
     dist.barrier()
     dist.destroy_process_group()
@@ -87,6 +89,7 @@ def test_agree_reduces_by_kind_and_raises_one_rank_error_on_both(tmp_path):
         assert results[rank]["raised"] == "rank 1: ValueError: bad batch"
         assert results[rank]["per_rank"] == [{"rank": 0}, {"rank": 1}]
         assert results[rank]["own"] == f"state of {rank}"
+        assert results[rank]["most"] == 15
     assert results[0]["seed"] == results[1]["seed"]  # one draw: a TP group samples alike
 
 

@@ -13,7 +13,7 @@ from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.rollout.callback import RolloutCallback
 from composer_lightning.runtime.errors import ConfigError
-from composer_lightning.runtime.inputs import context_length
+from composer_lightning.runtime.inputs import context_length, sized_context, tokens_needed
 from composer_lightning.tasks import Task, Verdict
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer
@@ -153,6 +153,49 @@ def test_the_engine_context_is_its_max_model_len_else_the_model_config():
         f"max_position_embeddings of {POLICY}",
     )
     assert context_length(HFEngine(), POLICY) == (256, f"max_position_embeddings of {POLICY}")
+
+
+def test_the_run_needs_its_longest_prompt_and_reply_or_its_episode_budget():
+    assert tokens_needed([5, 9, 7], 6) == 15
+    assert tokens_needed([5, 9], 6, max_prompt_length=40) == 46  # bounds prompts not yet seen
+    assert tokens_needed([5, 9], 6, max_episode_tokens=12) == 12
+    assert tokens_needed([5, 9], 6, max_turns=3, max_episode_tokens=300) == 300
+    assert tokens_needed([5, 9], 6, max_turns=3) is None  # episodes without a budget: unknown
+    assert sized_context(15, 32768) == 256  # Gemma 3's "{a} + {b} =" with 6 new tokens
+    assert sized_context(129, 32768) == 512  # twice 129: two blocks
+    assert sized_context(3000, 4096) == 4096  # never above the model's own
+    assert sized_context(15, None) == 256
+
+
+class SizingEngine(HFEngine):
+    """An engine that sizes its context to the run, recording what it was started with."""
+
+    sizes_context = True
+
+    context = None
+
+    def start(self, context=None) -> None:
+        self.context = self.context or context  # the callback's start, not later ones
+        super().start(context)
+
+
+def test_the_callback_gives_the_engine_the_need_its_checks_sized(tmp_path):
+    """The engine's context and the checks' agree: the need handed to the engine is the
+    longest prompt + max_tokens of the run, and the checks hold the size of that need."""
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "1 + " * 20, "answer": 2}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dm = RolloutDataModule(
+        tokenizer=POLICY, task="arithmetic", prompt_file=str(path), prompts_per_step=1
+    )
+    engine = SizingEngine(seed=0)
+    cb = RolloutCallback(engine, group_size=2, sampling=SamplingConfig(max_tokens=6, seed=0))
+    quiet_trainer(max_steps=1, callbacks=[cb]).fit(ComposerModule(POLICY, [DrGRPOHead()]), dm)
+    longest = max(len(dm.prompt_ids(line)) for line in lines)
+    assert engine.context.tokens_needed == longest + 6
+    limit, source = cb._context
+    assert limit == context_length(engine, POLICY, longest + 6)[0] == 256
+    assert source.startswith("SizingEngine's context sized for the run")
 
 
 def test_a_base_model_prompt_too_long_is_the_same_one_line(tmp_path):

@@ -42,6 +42,11 @@ class SamplingConfig:
         max_tokens: the most tokens generated per completion (≥ 1).
         stop_token_ids: generation stops after any of these (the stop token is kept), and
             after any EOS id the model declares.
+        stop: texts that end a completion: generation stops after any token whose text holds
+            one of them (the token is kept), e.g. `["\n"]` for a base model, which does not
+            stop on its own. Engines read token ids only: the rollout callback adds these
+            tokens to `stop_token_ids` from the data's tokenizer (`stop_text_ids`); a text
+            that spans two tokens is not caught, one character always is.
         seed: a seed for reproducible sampling; None draws fresh randomness.
         ignore_eos: do not stop at the model's EOS ids (fixed-length benchmarks).
     """
@@ -56,6 +61,7 @@ class SamplingConfig:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -78,6 +84,9 @@ class SamplingConfig:
                 f"{self.generation_kwargs!r}"
             )
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if isinstance(self.stop, str) or not all(isinstance(t, str) and t for t in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +141,10 @@ class EngineContext:
         rank: global rank. world_size: number of ranks. local_rank: rank on this node.
         device: the rank's device ("cpu", "cuda:1").
         model_path: the policy's directory, for an engine configured without one.
+        tokens_needed: the most tokens (prompt + completion, or an episode's budget) one
+            sequence of the run needs, as the rollout callback's setup checks found it
+            (`runtime/inputs.tokens_needed`); an engine that sizes its context to the run
+            (`VLLMEngine` without `max_model_len`) sizes it from this. None: unknown.
     """
 
     rank: int = 0
@@ -139,9 +152,12 @@ class EngineContext:
     local_rank: int = 0
     device: str = "cpu"
     model_path: str | None = None
+    tokens_needed: int | None = None
 
     @classmethod
-    def current(cls, model_path: str | None = None) -> EngineContext:
+    def current(
+        cls, model_path: str | None = None, tokens_needed: int | None = None
+    ) -> EngineContext:
         """This process's place in the default process group (one process without one)."""
         import os
 
@@ -154,7 +170,7 @@ class EngineContext:
         )
         local = int(os.environ.get("LOCAL_RANK", rank if size > 1 else 0))
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return cls(rank, size, local, device, model_path)
+        return cls(rank, size, local, device, model_path, tokens_needed)
 
 
 @runtime_checkable
@@ -301,6 +317,16 @@ def model_eos_ids(model_path: str | None = None, generation_config: object = Non
     if eos is None:
         return []
     return sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])})
+
+
+def stop_text_ids(tokenizer: Any, texts: list[str]) -> list[int]:
+    """The ids of the tokens whose text holds any of `texts` (`SamplingConfig.stop`): each
+    token decoded alone, as the engine will sample it (every token holding a newline, for
+    `["\n"]`: Gemma's `\n`, `\n\n`, ...)."""
+    if not texts:
+        return []
+    decoded = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return [i for i, text in enumerate(decoded) if any(t in text for t in texts)]
 
 
 def resolve_model_dir(model_path: str | None, owner: str) -> str | None:

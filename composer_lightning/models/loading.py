@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_lightning.models.gguf import PACKAGE_PREFIX, is_gguf_spec
 from composer_lightning.models.hub import resolve_model
 from composer_lightning.models.lora import AdapterFreeReference, is_lora
 from composer_lightning.models.stored import (
@@ -49,10 +50,11 @@ def load_causal_lm(
 
 
 def absolute_spec(spec: Any) -> Any:
-    """A relative local directory or GGUF file made absolute (so a checkpoint's
+    """A relative local directory or GGUF file (or its chunks) made absolute (so a checkpoint's
     hyper-parameters name it from any working directory); hub ids, `pkg:` files, absolute
     paths and modules unchanged."""
-    local = isinstance(spec, str) and (os.path.isdir(spec) or os.path.isfile(spec))
+    chunked = is_gguf_spec(spec) and not spec.startswith(PACKAGE_PREFIX)
+    local = isinstance(spec, str) and (os.path.isdir(spec) or os.path.isfile(spec) or chunked)
     if local and not os.path.isabs(spec):
         return os.path.abspath(spec)
     return spec

@@ -75,7 +75,10 @@ class GenerationAhead:
         if self.engine is not None:
             return
         alone = EngineContext(
-            local_rank=context.local_rank, device=context.device, model_path=context.model_path
+            local_rank=context.local_rank,
+            device=context.device,
+            model_path=context.model_path,
+            tokens_needed=context.tokens_needed,
         )
         self.engine = BackgroundEngine(
             engine, alone, weights, self.k, threads=threads, timeout=self.timeout

@@ -29,7 +29,12 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from composer_lightning.callbacks.samples import write_samples
-from composer_lightning.engines.base import EngineContext, RolloutEngine, SamplingConfig
+from composer_lightning.engines.base import (
+    EngineContext,
+    RolloutEngine,
+    SamplingConfig,
+    stop_text_ids,
+)
 from composer_lightning.engines.fingerprint import Fingerprint, FingerprintRecorder
 from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
 from composer_lightning.models.weights import iter_hf_weights
@@ -241,6 +246,7 @@ class RolloutCallback(L.Callback):
         self._push_time = 0.0
         self._tp_group: Any = None
         self._base_seed = self.sampling.seed
+        self._stop_ids: tuple[Any, list[int]] | None = None  # (tokenizer, its stop texts' ids)
 
     # ------------------------------------------------------------------ start and sync
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -254,16 +260,22 @@ class RolloutCallback(L.Callback):
             "rollout.hint": self.hint,
             "rollout.val_score": self.val_score,
         }
-        self._context = check_inputs(
+        checked = check_inputs(
             trainer,
             pl_module,
             self.engine,
             self.sampling,
             providers,
             self.episodes.max_episode_tokens,
+            self.episodes.max_turns,
         )
+        self._context = checked.context
         self.episodes.context_length = None if self._context is None else self._context[0]
-        context = EngineContext.current(model_path=getattr(pl_module, "policy_path", None))
+        # the engine sizes its context from the same need the checks sized it from
+        context = EngineContext.current(
+            model_path=getattr(pl_module, "policy_path", None),
+            tokens_needed=checked.tokens_needed,
+        )
         tp = self.engine.tensor_parallel_size
         check_engine_layout(context.world_size, tp, self.episodes.max_turns, self.max_staleness)
         if self._base_seed is None:  # drawn once, by rank 0: every rank samples from it
@@ -365,11 +377,13 @@ class RolloutCallback(L.Callback):
         self._push_time = self._push(pl_module)  # logged with the next step's metrics
 
     def _sampling(self, tokenizer: Any) -> SamplingConfig:
-        """The sampling settings with the tokenizer's EOS among the stops (engines add the
-        model's own EOS ids)."""
+        """The sampling settings with the tokenizer's EOS and the tokens holding a `stop` text
+        among the stop ids (engines add the model's own EOS ids), found once per tokenizer."""
+        if self._stop_ids is None or self._stop_ids[0] is not tokenizer:
+            self._stop_ids = (tokenizer, stop_text_ids(tokenizer, self.sampling.stop))
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        stops = sorted(set(self.sampling.stop_token_ids) | set(eos))
-        return replace(self.sampling, stop_token_ids=stops)
+        stops = sorted(set(self.sampling.stop_token_ids) | set(eos) | set(self._stop_ids[1]))
+        return replace(self.sampling, stop_token_ids=stops, stop=[])
 
     # ------------------------------------------------------------------ held-out evaluation
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -11,7 +11,7 @@ checked when it is built (`check_settings`), and a resume says each one it chang
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 
@@ -19,6 +19,7 @@ from composer_lightning.chat import HINT_ROLES
 from composer_lightning.engines.base import GREEDY_BELOW, RolloutEngine, SamplingConfig
 from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
 from composer_lightning.rollout.hint_check import HINT_TRUST
+from composer_lightning.runtime.distributed import most
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.inputs import (
     check_episode_room,
@@ -26,6 +27,7 @@ from composer_lightning.runtime.inputs import (
     check_prompt_lengths,
     check_vocabulary,
     context_length,
+    tokens_needed,
 )
 from composer_lightning.runtime.resume import line as resume_line
 from composer_lightning.runtime.resume import same
@@ -101,6 +103,20 @@ def check_engine_layout(world_size: int, tp: int, max_turns: int, max_staleness:
         )
 
 
+class RunContext(NamedTuple):
+    """What the setup checks found about sequence lengths.
+
+    Attributes:
+        context: the engine's context length and where that figure comes from
+            (`runtime/inputs.context_length`); None: unknown (nothing to check).
+        tokens_needed: the most tokens one sequence of the run needs (`tokens_needed`),
+            which the engine is given to size its context by; None: unknown.
+    """
+
+    context: tuple[int, str] | None = None
+    tokens_needed: int | None = None
+
+
 def check_inputs(
     trainer: L.Trainer,
     pl_module: L.LightningModule,
@@ -108,29 +124,40 @@ def check_inputs(
     sampling: SamplingConfig,
     providers: dict[str, Any],
     max_episode_tokens: int | None = None,
-) -> tuple[int, str] | None:
+    max_turns: int = 1,
+) -> RunContext:
     """What `runtime/inputs.py` checks, before the engine starts: the tokenizer against the models,
     the prompts against the engine's context and `max_episode_tokens`, minibatches against
     groups; and each provider (`{"rollout.score": ..., "rollout.hint": ...,
     "rollout.val_score": ...}`) against the problems it will judge.
 
     Returns:
-        The engine's context length and where it comes from, or None (unknown, or a data module
-        of other batches: nothing to check).
+        The engine's context (for an engine that sizes its context, the size it will take for
+        `tokens_needed`, which it must be given) and the run's need; both None for a data
+        module of other batches (nothing to check).
     """
     dm = getattr(trainer, "datamodule", None)
     if not callable(getattr(dm, "labelled_prompts", None)):
-        return None
+        return RunContext()
     check_minibatches(getattr(pl_module, "minibatches", 1), dm.prompts_per_step)
     check_providers(dm, providers)
     models = {name: getattr(pl_module, name, None) for name in ("policy", "teacher")}
     check_vocabulary(dm.tokenizer, models)
-    context = context_length(engine, getattr(pl_module, "policy_path", None))
     prompts = list(dm.labelled_prompts())
+    needed = tokens_needed(
+        (len(ids) for _, ids in prompts),
+        sampling.max_tokens,
+        max_turns,
+        max_episode_tokens,
+        getattr(dm, "max_prompt_length", None),
+    )
+    if needed is not None:  # every rank's engine one size (a tensor-parallel group must agree)
+        needed = most(needed)
+    context = context_length(engine, getattr(pl_module, "policy_path", None), needed)
     check_episode_room(prompts, max_episode_tokens)
     if context is not None:
         check_prompt_lengths(prompts, sampling.max_tokens, context)
-    return context
+    return RunContext(context, needed)
 
 
 def check_providers(dm: Any, providers: dict[str, Any]) -> None:

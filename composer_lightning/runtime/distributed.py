@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch.distributed as dist
 from torch import Tensor
@@ -127,6 +127,12 @@ def per_rank(obj: object) -> list[object]:
     gathered: list[object] = [None] * size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def most(value: int) -> int:
+    """The largest of every rank's `value` (this rank's alone in one process); call on every
+    rank (a collective)."""
+    return max(cast(list[int], per_rank(int(value))))
 
 
 def shared_seed() -> int:

@@ -6,7 +6,9 @@ refusal of a prompt after the engine started, a minibatch split that cannot be m
 - a tokenizer whose ids do not fit a model's embedding (`check_vocabulary`);
 - a prompt that leaves no room for `max_tokens` in the engine's context (`check_prompt_lengths`,
   with the context from `context_length`): every line of a prompt file at setup, naming file and
-  line; a task's prompts at setup (the first batch) and before each batch is generated;
+  line; a task's prompts at setup (the first batch) and before each batch is generated. An
+  engine that sizes its own context (`VLLMEngine` without `max_model_len`) is given the figure
+  these checks use (`sized_context` of `tokens_needed`), so engine and checks agree;
 - a prompt that leaves no room for a reply in `max_episode_tokens` (`check_episode_room`), at
   the same places;
 - more minibatches than groups per rollout batch (`check_minibatches`);
@@ -27,6 +29,9 @@ from composer_lightning.runtime.errors import ConfigError
 #: Config fields that hold a model's context length, in the order vLLM reads them.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
+#: A context sized for the run is a whole number of blocks of this many tokens.
+CONTEXT_BLOCK = 256
+
 
 def check_vocabulary(tokenizer: Any, models: dict[str, nn.Module | None]) -> None:
     """ConfigError unless every id the tokenizer can produce has a row in each model's input
@@ -42,15 +47,37 @@ def check_vocabulary(tokenizer: Any, models: dict[str, nn.Module | None]) -> Non
             )
 
 
-def context_length(engine: Any, policy_path: str | None) -> tuple[int, str] | None:
-    """The most tokens (prompt + completion) the engine can hold, and where that figure comes
-    from: a configured `max_model_len`, else the engine model's config (its
-    `max_position_embeddings`); None when neither is known."""
+def context_length(
+    engine: Any, policy_path: str | None, needed: int | None = None
+) -> tuple[int, str] | None:
+    """The most tokens (prompt + completion) the engine will hold, and where that figure comes
+    from: a configured `max_model_len`; else, for an engine that sizes its context to the run
+    (its `sizes_context` is true) and a known need, `sized_context(needed, the model's)`; else
+    the engine model's config (its `max_position_embeddings`); None when none is known.
+
+    Args:
+        needed: the tokens the run needs (`tokens_needed`); None: not known.
+    """
     configured = (getattr(engine, "llm_kwargs", None) or {}).get(
         "max_model_len", getattr(engine, "max_model_len", None)
     )
     if configured:
         return int(configured), f"{type(engine).__name__} max_model_len"
+    own = model_context(engine, policy_path)
+    if needed is not None and getattr(engine, "sizes_context", False):
+        limit = None if own is None else own[0]
+        sized = sized_context(needed, limit)
+        at_most = "" if limit is None or sized < limit else f", the model's maximum ({own[1]})"
+        return sized, (
+            f"{type(engine).__name__}'s context sized for the run: {needed} tokens needed, "
+            f"doubled, in blocks of {CONTEXT_BLOCK}{at_most}; set max_model_len to choose it"
+        )
+    return own
+
+
+def model_context(engine: Any, policy_path: str | None) -> tuple[int, str] | None:
+    """The engine model's own context length (its config's `max_position_embeddings`, or the
+    like, times a RoPE scaling factor) and where it comes from; None when unknown."""
     model = getattr(engine, "model", None) or getattr(engine, "_source", None)
     path = getattr(engine, "model_path", None) or policy_path
     config = getattr(model, "config", None)
@@ -66,6 +93,42 @@ def context_length(engine: Any, policy_path: str | None) -> tuple[int, str] | No
         if isinstance(value, int) and value > 0:
             return value * _rope_factor(config), f"{key} of {path or type(model).__name__}"
     return None
+
+
+def sized_context(needed: int, limit: int | None) -> int:
+    """The context an engine without a configured one holds: twice what the run is known to
+    need, since prompts not seen at setup (a task's later batches, held-out prompts, hinted
+    contexts) may be longer, in whole blocks of `CONTEXT_BLOCK` tokens; never above the model's
+    own `limit`. The headroom is cheap: an engine's KV cache is sized apart (vLLM only checks
+    that one sequence of this length fits in it)."""
+    sized = -(-2 * needed // CONTEXT_BLOCK) * CONTEXT_BLOCK
+    return sized if limit is None else min(sized, limit)
+
+
+def tokens_needed(
+    prompt_lengths: Iterable[int],
+    max_tokens: int,
+    max_turns: int = 1,
+    max_episode_tokens: int | None = None,
+    max_prompt_length: int | None = None,
+) -> int | None:
+    """The most tokens one sequence of the run needs: the longest prompt (at most
+    `max_prompt_length`, to which prompts are cut) plus `max_tokens`, capped by the episode
+    budget; for multi-turn episodes the budget itself (None without one: unknown).
+
+    Args:
+        prompt_lengths: the token counts of the prompts known at setup.
+        max_tokens: the completion budget of one turn (`sampling.max_tokens`).
+        max_turns: assistant turns per episode.
+        max_episode_tokens: the episode's token budget, prompt included; None: none.
+        max_prompt_length: the data's prompt cut; None: none.
+    """
+    if max_turns > 1:
+        return max_episode_tokens
+    # prompts are cut to max_prompt_length: a bound on every prompt, seen or not
+    longest = max_prompt_length or max(prompt_lengths, default=0)
+    needed = longest + max_tokens
+    return needed if max_episode_tokens is None else min(needed, max_episode_tokens)
 
 
 def _rope_factor(config: Any) -> int:

@@ -56,12 +56,14 @@ def write_llama_gguf(
     path: str | Path,
     quantization: str = "F32",
     architecture: str = "llama",
+    add_bos: bool = False,
 ) -> Path:
     """Write `model_dir` (an HF Llama directory with a byte-level BPE tokenizer) as GGUF.
 
     Args:
         quantization: "F32", or "Q8_0" for the 2-D weights (norms stay F32, as llama.cpp does).
         architecture: `general.architecture` (another value makes a file transformers refuses).
+        add_bos: `tokenizer.ggml.add_bos_token` (the tiny policy's template writes its BOS).
     """
     import gguf
     from safetensors.torch import load_file
@@ -110,7 +112,7 @@ def write_llama_gguf(
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])
     writer.add_unk_token_id(config["pad_token_id"])
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(template)
 
     qtype = getattr(gguf.GGMLQuantizationType, quantization)
