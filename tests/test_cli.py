@@ -278,7 +278,7 @@ def test_resuming_with_other_heads_is_one_error_unless_allowed_then_one_warning(
             "--rollout.sampling.temprature=0.7",
             "rollout.sampling: unknown key 'temprature' (did you mean 'temperature'?); "
             "SamplingConfig takes temperature, top_p, top_k, max_tokens, stop_token_ids, seed, "
-            "ignore_eos, min_p, repetition_penalty, generation_kwargs",
+            "ignore_eos, min_p, repetition_penalty, generation_kwargs, stop",
         ),
         (
             "--rollout.sampling.max_tokens=many",

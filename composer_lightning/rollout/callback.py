@@ -113,7 +113,7 @@ class RolloutCallback(L.Callback):
             a chat model answers the message ("I'm sorry for any confusion, …"), and OPD and
             SDPO then teach that tone: told the answer as a user message, SmolLM2 fell from
             0.23 to 0 held-out under OPD x1, checked and capped, where inline it did not
-            (docs/benchmarks.md).
+            (docs/benchmarks/composition.md).
         samples_every_n_steps: every this many steps, `samples_per_step` of rank 0's samples
             (prompt, completion, reward, hint; the group's first hinted reply with
             `hinted_replies`) go to `rollouts.jsonl` in the run directory and to TensorBoard's

@@ -1,6 +1,5 @@
 """Tasks this project never tuned on, written as a user would, to check that a hint head
-composed with Dr. GRPO at its defaults does no harm (issue 49, docs/benchmarks.md "Composition
-at the defaults").
+composed with Dr. GRPO at its defaults does no harm (issue 49, docs/benchmarks/composition.md).
 
 - `SumInWords`: "What do you get when you add 23 and 48?", checked on the reply's last number
   (a chat model answers in a sentence), with the verifier's own error-derived hint (the answer's
