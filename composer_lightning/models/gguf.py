@@ -117,10 +117,10 @@ def gguf_parts(spec: str, what: str = "model") -> list[str]:
     if whole:
         return whole[:1]
     parts = sorted(
-        (int(_PART.search(c).group(1)), c)
+        (int(m.group(1)), c)
         for p in paths
         for c in glob.glob(glob.escape(p) + ".part*")
-        if _PART.search(c) and os.path.isfile(c)
+        if (m := _PART.search(c)) and os.path.isfile(c)
     )
     if not parts:
         folder = os.path.dirname(paths[0])

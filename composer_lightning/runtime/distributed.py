@@ -139,7 +139,7 @@ def shared_seed() -> int:
     """A fresh random seed, the same on every rank (rank 0's draw); call on every rank."""
     import os
 
-    return int(per_rank(int.from_bytes(os.urandom(6), "little"))[0])
+    return int(cast(list[int], per_rank(int.from_bytes(os.urandom(6), "little")))[0])
 
 
 def own(saved: list[object]) -> object:

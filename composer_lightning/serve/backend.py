@@ -71,8 +71,9 @@ def engine_max_context(engine: Any) -> int | None:
     """The most tokens (prompt + reply) a started engine takes: a transformers model's
     `max_position_embeddings`, vLLM's `max_model_len`; None when it says neither."""
     config = getattr(getattr(engine, "model", None), "config", None)
-    if getattr(config, "max_position_embeddings", None) is not None:
-        return int(config.max_position_embeddings)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None:
+        return int(max_positions)
     vllm_config = getattr(
         getattr(getattr(engine, "llm", None), "llm_engine", None), "model_config", None
     )
@@ -344,8 +345,10 @@ class StepBackend:
                 f"StepBackend needs an engine with add/step/abort (vLLM's); got "
                 f"{type(engine).__name__} (serve it with EngineBackend)"
             )
-        self.engine, self.tokenizer = engine, tokenizer
-        engine.start(context or EngineContext())
+        # a StepEngine that is a RolloutEngine too (start, load_weights, weight_version)
+        self.engine: Any = engine
+        self.tokenizer = tokenizer
+        self.engine.start(context or EngineContext())
         self.max_context = engine_max_context(engine) if max_context is None else max_context
         self.engine_steps = 0  # steps run so far
         self._cond = threading.Condition()

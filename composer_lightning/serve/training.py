@@ -487,7 +487,7 @@ def _signalled(trainer: L.Trainer) -> bool:
     """Whether a stop signal reached this process (`CheckpointOnStop`'s flag, or Lightning's)."""
     from composer_lightning.callbacks.stop import CheckpointOnStop
 
-    for cb in trainer.callbacks:
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         if isinstance(cb, CheckpointOnStop) and cb._received:
             cb._signal = cb._received
             return True

@@ -344,7 +344,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         # progress in optimizer steps, not Lightning's "Epoch 0/-2" of an endless stream
         bar = in_place_of_the_default_bar(self.trainer)
         # a collapse is said as it happens, with the trainer's own thresholds if it has a watch
-        watched = any(isinstance(c, CollapseWatch) for c in self.trainer.callbacks)
+        watched = any(isinstance(c, CollapseWatch) for c in self.trainer.callbacks)  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         watch = [] if watched else [CollapseWatch()]
         steps = OptimizerSteps(self.updates_per_batch)  # one step axis
         return bar + watch + [steps, AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
