@@ -15,6 +15,7 @@ process nothing is communicated.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
@@ -74,7 +75,7 @@ class StepMetrics:
         """A maximum over ranks."""
         self._values[name] = ("max", float(value), 1.0)
 
-    def update(self, values: dict[str, float | Tensor], kind: Kind = "mean") -> None:
+    def update(self, values: Mapping[str, float | Tensor], kind: Kind = "mean") -> None:
         for name, value in values.items():
             getattr(self, kind)(name, value)
 

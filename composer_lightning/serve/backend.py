@@ -30,7 +30,7 @@ import functools
 import itertools
 import threading
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -314,6 +314,10 @@ class ReplyStream:
         ], self.version
 
 
+class _StepRolloutEngine(StepEngine, RolloutEngine, Protocol):
+    """What `StepBackend` drives: a `StepEngine` that is a `RolloutEngine` too (vLLM's)."""
+
+
 class StepBackend:
     """A `ServeBackend` over a `StepEngine` (vLLM's continuous scheduler): requests join the
     running batch between engine steps, and their tokens stream as they are generated.
@@ -345,8 +349,7 @@ class StepBackend:
                 f"StepBackend needs an engine with add/step/abort (vLLM's); got "
                 f"{type(engine).__name__} (serve it with EngineBackend)"
             )
-        # a StepEngine that is a RolloutEngine too (start, load_weights, weight_version)
-        self.engine: Any = engine
+        self.engine = cast(_StepRolloutEngine, engine)  # (only StepEngine is checkable)
         self.tokenizer = tokenizer
         self.engine.start(context or EngineContext())
         self.max_context = engine_max_context(engine) if max_context is None else max_context
