@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch.distributed as dist
 from torch import Tensor
@@ -106,7 +106,7 @@ def agree(
             raise error
         return metrics.local()
     mine = {"error": None if error is None else _one_line(error), "metrics": metrics._values}
-    gathered: list[dict] = [None] * size  # type: ignore[list-item]
+    gathered: list[Any] = [None] * size  # each rank's `mine` once gathered
     dist.all_gather_object(gathered, mine)
     failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
     if failed:

@@ -199,7 +199,6 @@ class CheckpointHooks(_Module):
         policy: nn.Module
         policy_path: str | None
         policy_version: int
-        heads: list[Head]
         objective: Objective
         reference_sync: ReferenceSync
         allow_head_changes: bool
@@ -208,6 +207,8 @@ class CheckpointHooks(_Module):
         _configured: ConfiguredOptimizer | None
         _resumed_scheduler: bool | None
 
+        @property
+        def heads(self) -> list[Head]: ...
         def trainable_parameters(self) -> list[nn.Parameter]: ...
         def _optimizer_and_scheduler(self, params: Any) -> tuple[torch.optim.Optimizer, Any]: ...
 
