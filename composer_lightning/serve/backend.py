@@ -30,7 +30,7 @@ import functools
 import itertools
 import threading
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -249,7 +249,7 @@ class ReplyStream:
         self.cancelled = False
         self._tokens: list[list[int]] = [[] for _ in range(n)]
         self._logprobs: list[list[float]] = [[] for _ in range(n)]
-        self._finish: list[str | None] = [None] * n
+        self._finish: list[Literal["stop", "length"] | None] = [None] * n
         self._error: BaseException | None = None
         self._new: list[Delta] = []
         self._cond = threading.Condition()
@@ -309,7 +309,7 @@ class ReplyStream:
             raise self._error
         assert self.version is not None
         return [
-            Completion(list(t), list(lp), f or "length")  # type: ignore[arg-type]
+            Completion(list(t), list(lp), f or "length")
             for t, lp, f in zip(self._tokens, self._logprobs, self._finish, strict=True)
         ], self.version
 
