@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     from composer_lightning.training.module import ComposerModule, OutOfSyncError
 
     class ComposerCLI(LightningCLI):
-        def subcommands(self) -> dict[str, set[str]]:
+        def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  # static there
             # The parser of the subcommand being run only: LightningCLI builds one for each of
             # fit, validate, test and predict (≈ 0.2 s each, every class signature read), and
             # a run uses one. An unknown subcommand gets all four, for the parser's error.
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 section.get("trainer") if section is not None else None,
                 os.path.join("runs", self._run_name()),
             )
-            if say and rank_zero_only.rank == 0:
+            if say and rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # set on import
                 print(f"composer_lightning: {say}", flush=True)
 
         def _run_name(self) -> str:

@@ -176,7 +176,7 @@ def convert(
         policy = f"{policy}@{trl['model_revision']}"
     seed = int(take("seed"))
     max_steps = int(take("max_steps"))
-    sampling = {
+    sampling: dict[str, Any] = {
         "temperature": float(take("temperature")),
         "max_tokens": int(take("max_completion_length")),
         "seed": seed,
@@ -305,7 +305,7 @@ def convert(
     else:
         rollout["samples_every_n_steps"] = 0
     used.update({"log_completions", "num_completions_to_print"})
-    data = {
+    data: dict[str, Any] = {
         "class_path": "composer_lightning.datamodules.rollout.RolloutDataModule",
         "init_args": {
             "task": None,

@@ -31,7 +31,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
@@ -97,7 +97,7 @@ def training_example(rng: random.Random) -> tuple[list[dict[str, str]], str]:
 def tokenizer_corpus(n: int = 4000) -> list[str]:
     """Generated text the tokenizer is trained on (prompts, hints, answers)."""
     rng = random.Random(SEED)
-    texts = []
+    texts: list[str] = []
     for _ in range(n):
         messages, response = training_example(rng)
         texts.extend(m["content"] for m in messages)
@@ -179,10 +179,12 @@ def complete(
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}  # 0: off
+    sampling: dict[str, Any] = (
+        {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}  # 0: off
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        out = model.generate(
+        out = model.generate(  # type: ignore[misc]  # transformers types `self` as a protocol
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=max_new_tokens,
@@ -211,7 +213,8 @@ def hint_accuracy(
         task.verify(p, c).hint or task.verify(p, wrong_guess(p)).hint
         for p, c in zip(problems, plain, strict=True)
     ]
-    chats = [hinted_messages(p, h) for p, h in zip(problems, hints, strict=True)]
+    # (a wrong answer always gets a hint)
+    chats = [hinted_messages(p, cast(str, h)) for p, h in zip(problems, hints, strict=True)]
     hinted = complete(model, tokenizer, chats, greedy, seed + 1, temperature=temperature)
 
     def acc(outs: list[str]) -> float:

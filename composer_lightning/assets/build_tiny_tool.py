@@ -209,10 +209,12 @@ def generate(
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+    sampling: dict[str, Any] = (
+        {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        out = model.generate(
+        out = model.generate(  # type: ignore[misc]  # transformers types `self` as a protocol
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=MAX_NEW_TOKENS,

@@ -126,5 +126,5 @@ def in_place_of_the_default_bar(trainer: L.Trainer) -> list[L.Callback]:
     bar = getattr(trainer, "progress_bar_callback", None)
     if type(bar) not in (RichProgressBar, TQDMProgressBar):
         return []
-    trainer.callbacks.remove(bar)
+    trainer.callbacks.remove(bar)  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
     return [StepProgress()]

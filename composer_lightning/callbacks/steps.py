@@ -36,7 +36,7 @@ class OptimizerSteps(L.Callback):
         counts: list[tuple[str, Any]] = [("trainer.max_steps", trainer.max_steps)]
         if isinstance(trainer.val_check_interval, int):
             counts.append(("trainer.val_check_interval", trainer.val_check_interval))
-        for cb in trainer.callbacks:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
             if isinstance(cb, ModelCheckpoint) and cb._every_n_train_steps:
                 counts.append(("ModelCheckpoint.every_n_train_steps", cb._every_n_train_steps))
         for name, value in counts:
@@ -61,7 +61,7 @@ class OptimizerSteps(L.Callback):
             trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step - 1
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for cb in trainer.callbacks:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
             reason = getattr(cb, "stopping_reason_message", None)
             if isinstance(cb, EarlyStopping) and reason:
                 rank_zero_info(

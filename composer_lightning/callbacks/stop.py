@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -43,8 +43,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 def checkpoint_dir(trainer: L.Trainer) -> str:
     """The run's checkpoint directory: ModelCheckpoint's, else `<log dir>/checkpoints`."""
     callback = trainer.checkpoint_callback
-    if callback is not None and getattr(callback, "dirpath", None):
-        return callback.dirpath
+    dirpath = None if callback is None else getattr(callback, "dirpath", None)
+    if dirpath:
+        return dirpath
     return os.path.join(run_dir(trainer), "checkpoints")
 
 
@@ -95,7 +96,9 @@ class CheckpointOnStop(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        signals = [s for s in per_rank(self._received) if s]  # every rank, every step
+        signals = [
+            s for s in cast(list[int], per_rank(self._received)) if s
+        ]  # every rank, every step
         if signals and not self._signal:
             self._signal = int(signals[0])
             # The flag Lightning's loops check at the end of the step (and of the epoch, after
@@ -131,7 +134,7 @@ def _accept_exit_status(status: int) -> None:
         if type(thread).__name__ != "_ChildProcessObserver" or not hasattr(thread, "_run"):
             continue
         lightning_run = thread._run
-        children = thread._child_processes
+        children = thread._child_processes  # type: ignore[attr-defined]  # Lightning's private
 
         def run(children=children, lightning_run=lightning_run) -> bool:
             for proc in children:

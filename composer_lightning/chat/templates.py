@@ -9,7 +9,7 @@ ValueError naming the tokenizer, as TRL's `apply_chat_template` refuses it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from composer_lightning.chat.literal import render_literal
 
@@ -98,7 +98,7 @@ def template_delta(
     return after[len(before) :]
 
 
-def _is_chat(value: Any) -> bool:
+def _is_chat(value: Any) -> TypeGuard[list[Message]]:
     return (
         isinstance(value, list)
         and bool(value)

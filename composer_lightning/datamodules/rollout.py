@@ -168,7 +168,7 @@ class RolloutDataModule(L.LightningDataModule):
                 + "; data.val_path gives a held-out set of your own"
             )
         self.consumed = 0  # prompt batches handed to training (the stream position)
-        self._tokenizer = None
+        self._tokenizer: Any = None
 
     @property
     def tokenizer(self) -> Any:
@@ -216,6 +216,7 @@ class RolloutDataModule(L.LightningDataModule):
         return problem
 
     def _training_problem(self, rng: random.Random) -> Problem:
+        assert self.task is not None  # a stream drawn from the task
         for _ in range(10_000):  # rejection: the held-out split is a fixed share of the space
             problem = self.task.sample(rng)
             if not is_heldout(problem, self.val_fraction):
@@ -231,6 +232,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.val_prompts == 0 or self.val_fraction == 0:
             return []
         rng, out, seen = random.Random(f"{self.seed}/validation"), [], set()
+        assert self.task is not None  # a held-out set drawn from the task
         for _ in range(self.val_prompts * 500):  # bounded: a small space has few held-out problems
             problem = self.task.sample(rng)
             key = problem_key(problem)
@@ -257,7 +259,7 @@ class RolloutDataModule(L.LightningDataModule):
             }
             for part in (mine[i : i + P] for i in range(0, len(mine), P))
         ]
-        return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+        return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)  # type: ignore[arg-type]  # any sequence
 
     def labelled_prompts(self) -> Iterator[tuple[str, list[int]]]:
         """`(where, prompt ids)` of the prompts to check before training: every row of the

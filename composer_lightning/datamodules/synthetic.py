@@ -108,5 +108,6 @@ class SyntheticRolloutDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        rank = self.trainer.global_rank if getattr(self, "trainer", None) is not None else 0
+        trainer = getattr(self, "trainer", None)
+        rank = trainer.global_rank if trainer is not None else 0
         return DataLoader(_Stream(self.seed + 1000 * rank, self.kwargs), batch_size=None)

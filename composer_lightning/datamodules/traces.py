@@ -131,6 +131,7 @@ class TraceDataModule(L.LightningDataModule):
         return DataLoader(_TraceStream(self), batch_size=None, collate_fn=lambda b: b)
 
     def on_after_batch_transfer(self, batch: RolloutBatch, dataloader_idx: int) -> RolloutBatch:
+        assert batch.index is not None  # `batch` numbers every batch it makes
         self.consumed = int(batch.index) + 1
         return batch
 

@@ -52,7 +52,14 @@ __all__ = ["BackgroundEngine", "EngineTimeout"]
 Generated = tuple[int, list[list[Completion]], float, Fingerprint | None]
 
 #: The trainer's distributed environment, which must not reach an engine that runs alone.
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK")
+_LAUNCHER_ENV: tuple[str, ...] = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "NODE_RANK",
+)
 _LAUNCHER_ENV += ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
@@ -181,7 +188,8 @@ class BackgroundEngine:
             for _ in range(self.k + 1)
         ]
         ctx = mp.get_context("spawn")
-        self._requests, self._results = ctx.Queue(), ctx.Queue()
+        self._requests: Any = ctx.Queue()  # each queue None once closed
+        self._results: Any = ctx.Queue()
         self._requests.cancel_join_thread()  # exiting never waits on a dead child's pipe
         self._process = ctx.Process(
             target=_serve,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import torch
 
@@ -329,6 +329,10 @@ def stop_text_ids(tokenizer: Any, texts: list[str]) -> list[int]:
     return [i for i, text in enumerate(decoded) if any(t in text for t in texts)]
 
 
+@overload
+def resolve_model_dir(model_path: str, owner: str) -> str: ...
+@overload
+def resolve_model_dir(model_path: None, owner: str) -> None: ...
 def resolve_model_dir(model_path: str | None, owner: str) -> str | None:
     """The local directory of an engine's `model_path` (a directory or a hub id, resolved by
     `models/hub.resolve_model`); a configuration error naming it when there is none."""

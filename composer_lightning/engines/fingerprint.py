@@ -56,8 +56,10 @@ def tensor_fingerprint(tensor: Tensor, dtype: torch.dtype | None = None) -> tupl
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     if t.device.type != "cpu":  # one pass, accumulated in float64 without a float64 copy
-        total = torch.sum(t, dtype=torch.float64)
-        return float(total), float(torch.linalg.vector_norm(t, 1, dtype=torch.float64))
+        return (
+            float(torch.sum(t, dtype=torch.float64)),
+            float(torch.linalg.vector_norm(t, 1, dtype=torch.float64)),
+        )
     # On CPU, float64 copies of cache-sized chunks: no float64 copy of the whole tensor (an
     # embedding can be 1e8 values) and ≈ 5x faster than the one-pass float64 accumulation.
     total = absolute = 0.0
@@ -98,7 +100,7 @@ class FingerprintRecorder:
 
     def _record(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self._weights:
-            cast = tensor_fingerprint(tensor, self._dtype)
+            cast: tuple[float, ...] = tensor_fingerprint(tensor, self._dtype)
             if self._dtype is not None and tensor.dtype != self._dtype:
                 cast += tensor_fingerprint(tensor)  # as it is, too
             self.fingerprint[name] = cast

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +56,7 @@ class HFEngine:
         model_path = resolve_model_dir(model_path, "HFEngine")  # a hub id: fetched now, once
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self._source, self._device = model, device
-        self.model: nn.Module | None = None
+        self.model: Any = None  # an HF causal LM once started (its own types lose `.to`)
         self._rng = random.Random(seed)  # picklable: an engine may start in a child
         self._version = 0
         if model is not None:  # a given module is copied now, as it is
@@ -216,6 +216,7 @@ class HFEngine:
             row_completions = []
             for j in range(n):
                 tokens = generated[i * n + j].tolist()
+                reason: Literal["stop", "length"]
                 end, reason = len(tokens), "length"
                 for t, tok in enumerate(tokens):
                     if tok in stop_set:

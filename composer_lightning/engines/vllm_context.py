@@ -33,7 +33,9 @@ def engine_context(engine: Any, path: str, context: EngineContext) -> tuple[int 
     else the size for `context.tokens_needed` (the figure the setup checks used); else None,
     vLLM's default, the model's own maximum."""
     if engine.llm_kwargs.get("max_model_len", engine.max_model_len):
-        return context_length(engine, path)[0], "max_model_len"  # type: ignore[index]
+        configured = context_length(engine, path)
+        assert configured is not None  # (max_model_len is set)
+        return configured[0], "max_model_len"
     if context.tokens_needed is not None:
         sized = context_length(engine, path, context.tokens_needed)
         if sized is not None:

@@ -77,7 +77,7 @@ class SingleTurn:
     """A single-turn task as an environment: the problem's chat, then one assistant turn that
     ends the episode (its score comes from the run's score provider, as before)."""
 
-    tools = None
+    tools: list[dict[str, Any]] | None = None
 
     def reset(self, problem: dict[str, Any]) -> list[Message]:
         from composer_lightning.chat import problem_messages

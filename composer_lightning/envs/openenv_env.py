@@ -156,8 +156,8 @@ class OpenEnvEpisode:
         try:
             result = self.session.call_tool(call.name, dict(call.arguments))
         except Exception as err:  # noqa: BLE001 - the tool's failure is the turn's information
-            error = f"{type(err).__name__}: {err}"
-            return error, error, False
+            failure = f"{type(err).__name__}: {err}"
+            return failure, failure, False
         reward = _result_reward(result)
         if reward is not None:
             self._reward = reward

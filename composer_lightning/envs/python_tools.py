@@ -159,7 +159,9 @@ class PythonToolEnv:
             return Observation(done=True, reward=None, info={"tool_error": None})
         if not bodies or (len(bodies) > 1 and not self.parallel_calls):
             got = "no complete call" if not bodies else f"{len(bodies)} calls"
-            answers = [("", f"Tool call error: expected one call {self._format}, got {got}.")]
+            answers: list[tuple[str, str | None]] = [
+                ("", f"Tool call error: expected one call {self._format}, got {got}.")
+            ]
             self.calls += 1
         else:
             answers = [self._run(body) for body in bodies]

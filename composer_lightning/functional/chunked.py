@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from torch import Tensor
 from ._checks import as_bool_mask, check_ndim, check_range, shape_str
 from .jsd import check_jsd_options, generalized_jsd_per_token
 from .logprobs import check_logits_and_ids, scaled_logits, upcast
+
+#: What a chunk function returns: one tensor, or a tuple whose first is differentiated.
+_Out = TypeVar("_Out", bound=Tensor | tuple[Tensor, ...])
 
 
 class _LMHeadInChunks(torch.autograd.Function):
@@ -44,7 +48,15 @@ class _LMHeadInChunks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, fn, chunk_size, n_rows, *rest):
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        fn: Callable[..., Tensor | tuple[Tensor, ...]],
+        chunk_size: int,
+        n_rows: int,
+        *rest: Any,
+    ) -> Tensor | tuple[Tensor, ...]:
         rows, consts = rest[:n_rows], rest[n_rows:]
         device = hidden.device.type
         autocast = torch.is_autocast_enabled(device)
@@ -58,7 +70,7 @@ class _LMHeadInChunks(torch.autograd.Function):
         ctx.autocast, ctx.dtype = (device, dtype, autocast), dtype
         ctx.save_for_backward(hidden, weight, *rows)
         w = weight.to(dtype)
-        pieces = []
+        pieces: list[tuple[Tensor, ...]] = []
         for i in range(0, max(hidden.shape[0], 1), chunk_size):
             c = slice(i, i + chunk_size)
             with torch.autocast(device, enabled=False):
@@ -71,7 +83,7 @@ class _LMHeadInChunks(torch.autograd.Function):
         return outs[0] if ctx.single else outs
 
     @staticmethod
-    def backward(ctx, grad, *_):
+    def backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         hidden, weight, *rows = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         device, dtype, autocast = ctx.autocast
@@ -102,18 +114,20 @@ class _LMHeadInChunks(torch.autograd.Function):
 
 
 def lm_head_in_chunks(
-    fn: Callable[..., Tensor | tuple[Tensor, ...]],
+    fn: Callable[..., _Out],
     hidden: Tensor,  # [N, H]
     weight: Tensor,  # [V, H]
     rows: tuple[Tensor, ...] = (),  # each [N, ...], sliced with hidden
-    consts: tuple = (),
+    consts: tuple[Any, ...] = (),
     chunk_size: int = 1024,
-) -> Tensor | tuple[Tensor, ...]:  # each [N, ...]
+) -> _Out:  # each [N, ...]
     """`fn(hidden @ weight.T, *rows, *consts)` computed `chunk_size` rows at a time, values and
     gradients (see `_LMHeadInChunks`). `fn` maps `[n, V]` logits (and the rows' slices) to per-row
     outputs; only its first output is differentiable. With N = 0 one empty chunk still runs, so
     the result is attached to the graph."""
-    return _LMHeadInChunks.apply(hidden, weight, fn, chunk_size, len(rows), *rows, *consts)
+    args = (hidden, weight, fn, chunk_size, len(rows), *rows, *consts)
+    out = _LMHeadInChunks.apply(*args)  # type: ignore[no-untyped-call]  # untyped in torch
+    return cast(_Out, out)  # what `fn` returns, concatenated over chunks
 
 
 def _chunk_logprobs(

@@ -8,6 +8,8 @@ get probability exactly 0 and both values and gradients stay finite.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,12 +34,12 @@ class _FloorNegInf(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor) -> Tensor:
         # /4 leaves room for the log-sum-exp subtraction in log_softmax without overflow.
         return x.clamp(min=torch.finfo(x.dtype).min / 4)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         return grad
 
 
@@ -59,7 +61,8 @@ def scaled_logits(
     Returns:
         The scaled logits, float32 for half-precision input.
     """
-    return _FloorNegInf.apply(upcast(logits) / temperature)
+    out = _FloorNegInf.apply(upcast(logits) / temperature)  # type: ignore[no-untyped-call]
+    return cast(Tensor, out)  # torch types `Function.apply` as untyped
 
 
 def check_logits_and_ids(logits: Tensor, input_ids: Tensor, logits_name: str = "logits") -> None:

@@ -179,10 +179,10 @@ def policy_loss(
             raise ValueError(
                 f"dual_clip bounds the clipped surrogate; loss_mode {loss_mode!r} has none"
             )
-    for name, tau in zip(
+    for name, temperature in zip(
         ("sapo temperature pos", "sapo temperature neg"), sapo_temperatures, strict=True
     ):
-        check_range(name, tau, 0.0)
+        check_range(name, temperature, 0.0)
     check_same_shape(
         ("logprobs", logprobs),
         ("old_logprobs", old_logprobs),

@@ -28,6 +28,8 @@ reduced by the module's aggregation, like every other term.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,19 @@ SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
 SUBSETS = ("student", "teacher", "overlap")
 
 
+@overload
+def topk_from_hidden(
+    hidden: Tensor, weight: Tensor, k: int, temperature: float, chunk_size: int, at: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+@overload
+def topk_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    k: int,
+    temperature: float,
+    chunk_size: int,
+    at: None = None,
+) -> tuple[Tensor, Tensor, None, Tensor]: ...
 @torch.no_grad()
 def topk_from_hidden(
     hidden: Tensor,  # [N, H]

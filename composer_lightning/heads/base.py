@@ -122,7 +122,7 @@ class Head(ABC):
     """
 
     default_name: ClassVar[str] = "head"
-    requires: ClassVar[frozenset[str]] = frozenset()
+    requires: frozenset[str] = frozenset()  # a class default; an instance may widen its own
     #: k of the top-k values a head that requires `teacher_topk` reads (top-k OPD).
     topk: int = 0
     #: the head's advantages differ between the tokens of one response (OPD's teacher gap), so

@@ -53,6 +53,7 @@ class OPDHead(Head):
         self.gap_clip, self.center = gap_clip, center
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
+        assert batch.has_teacher is not None  # RolloutBatch.__post_init__ fills it
         aligned = ctx.teacher_aligned  # [B]
         misaligned = batch.has_teacher & ~aligned
         if misaligned.any():

@@ -54,7 +54,8 @@ def load(name: str) -> type:
     if name not in reg:
         raise KeyError(f"no head registered as {name!r}; registered: {sorted(reg)}")
     module, _, attr = reg[name].partition(":")
-    return getattr(import_module(module), attr)
+    cls: type = getattr(import_module(module), attr)
+    return cls
 
 
 def load_all() -> list[HeadEntry]:

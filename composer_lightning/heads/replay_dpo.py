@@ -134,11 +134,11 @@ class ReplayDPOHead(Head):
         picks = torch.randperm(len(self.buffer), generator=self.generator)[:k].tolist()
         pairs = [self.buffer[i] for i in picks]
         seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
-        resp = [p["chosen_resp"] for p in pairs] + [p["rejected_resp"] for p in pairs]
+        resp_rows = [p["chosen_resp"] for p in pairs] + [p["rejected_resp"] for p in pairs]
         device = ctx.logprobs.device
         ids = pad_rows(seqs).to(device)
         attn = pad_rows([torch.ones_like(s) for s in seqs]).to(device)
-        resp_mask = pad_rows(resp, dtype=torch.bool).to(device)
+        resp_mask = pad_rows(resp_rows, dtype=torch.bool).to(device)
         seq_lp = ctx.policy_sequence_logprobs(ids, attn, resp_mask)  # [2k]
         if self.reference == "model":
             ref = ctx.reference_sequence_logprobs(ids, attn, resp_mask)

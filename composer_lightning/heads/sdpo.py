@@ -68,6 +68,7 @@ class SDPOHead(Head):
         self.beta, self.temperature, self.clip, self.clip_mode = beta, temperature, clip, clip_mode
 
     def compute(self, batch: RolloutBatch, ctx: StepContext) -> HeadOutput:
+        assert batch.sdpo_mask is not None and batch.has_teacher is not None  # __post_init__
         supervised = batch.sdpo_mask & batch.has_teacher.unsqueeze(1)  # [B, T]
         misaligned = supervised.any(dim=1) & ~ctx.teacher_aligned  # [B]
         if misaligned.any():

@@ -16,6 +16,7 @@ import warnings
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from composer_lightning.functional.topk_opd import (
     SELECTIONS,
@@ -116,7 +117,7 @@ class TopKOPDHead(Head):
         current = chunked_logprobs_at(
             ctx.hidden[tokens], ctx.lm_head_weight, ids[tokens], ctx.temperature, ctx.chunk_size
         )  # [N, K]
-        per_token, metrics = topk_opd_per_token(
+        per_token, surrogate_metrics = topk_opd_per_token(
             current,
             old[tokens],
             teacher[tokens],
@@ -125,6 +126,7 @@ class TopKOPDHead(Head):
             clip_low=self.clip_low,
             clip_high=self.clip_high,
         )
+        metrics: dict[str, Tensor | float] = {**surrogate_metrics}
         values = torch.zeros(B, T, dtype=per_token.dtype, device=per_token.device)
         values = values.masked_scatter(tokens, per_token)
         mask = tokens.clone()

@@ -46,6 +46,7 @@ import shutil
 import sys
 import tempfile
 from functools import lru_cache
+from typing import Any
 
 from composer_lightning.models.gguf_tokenizer import (
     TokenizerKeys,
@@ -117,10 +118,10 @@ def gguf_parts(spec: str, what: str = "model") -> list[str]:
     if whole:
         return whole[:1]
     parts = sorted(
-        (int(_PART.search(c).group(1)), c)
+        (int(m.group(1)), c)
         for p in paths
         for c in glob.glob(glob.escape(p) + ".part*")
-        if _PART.search(c) and os.path.isfile(c)
+        if (m := _PART.search(c)) and os.path.isfile(c)
     )
     if not parts:
         folder = os.path.dirname(paths[0])
@@ -280,7 +281,7 @@ def _end_ids(eos: int | list[int] | None, end_ids: tuple[int, ...]) -> int | lis
     return ids[0] if len(ids) == 1 else (ids or None)
 
 
-def save_tokenizer(tokenizer: object, out: str, keys: TokenizerKeys, what: str) -> None:
+def save_tokenizer(tokenizer: Any, out: str, keys: TokenizerKeys, what: str) -> None:
     """Save `tokenizer` into `out` as `TokenizersBackend`, so that `AutoTokenizer` reads its
     `tokenizer.json` as written (a class such as `GemmaTokenizer` rebuilds its normalizer from
     its own defaults on load, dropping a space prefix); then reload it and check it encodes as
@@ -291,7 +292,7 @@ def save_tokenizer(tokenizer: object, out: str, keys: TokenizerKeys, what: str) 
     """
     from transformers import AutoTokenizer
 
-    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    tokenizer.save_pretrained(out)
     config_file = os.path.join(out, "tokenizer_config.json")
     with open(config_file, encoding="utf-8") as f:
         config = json.load(f)

@@ -221,11 +221,11 @@ def tokenizer_mismatches(tokenizer: Any, keys: TokenizerKeys) -> list[str]:
             out.append(f"{name} id {getattr(tokenizer, f'{name}_id', None)}, not {token_id}")
     ids = list(tokenizer("a b")["input_ids"])
     bos, eos = keys.special_ids.get("bos_token"), keys.special_ids.get("eos_token")
-    for name, value, token_id, index in (
+    for name, value, special_id, index in (
         ("add_bos_token", keys.add_bos_token, bos, 0),
         ("add_eos_token", keys.add_eos_token, eos, -1),
     ):
-        if value is not None and token_id is not None and (ids[index] == token_id) != value:
+        if value is not None and special_id is not None and (ids[index] == special_id) != value:
             out.append(f"{name} {value} but tokenizer('a b') gives {ids}")
     if keys.add_space_prefix is not None and keys.sentencepiece:
         first = tokenizer.convert_ids_to_tokens(

@@ -77,6 +77,7 @@ def load_policy(
         files = stored_model_files(checkpoint_meta(ckpt)) if ckpt else {}
         if "config.json" not in files:
             raise
+        assert ckpt is not None  # the files came from it
         return _from_stored_files(spec, ckpt, files, missing)
     return path, load_causal_lm(path, init_kwargs=init_kwargs)
 

@@ -96,6 +96,8 @@ class AdapterFreeReference(nn.Module):
     any policy forward.
     """
 
+    _policy: Any  # a peft model (its methods are not nn.Module's)
+
     def __init__(self, policy: nn.Module):
         super().__init__()
         self.__dict__["_policy"] = policy  # not a submodule
@@ -132,7 +134,7 @@ def lora_delta(lora_A: Tensor, lora_B: Tensor, scaling: float, fan_in_fan_out: b
     return delta.to(dtype) if cast else delta
 
 
-def merged_weight(layer: nn.Module) -> Tensor:
+def merged_weight(layer: Any) -> Tensor:  # a peft LoRA layer (lora.Linear)
     """A LoRA layer's base weight plus the update of each active adapter (full, detached)."""
     weight = unsharded(layer.get_base_layer().weight)
     if layer.disable_adapters or layer.merged:  # nothing to add, or added already
@@ -159,7 +161,8 @@ def adapter_config(model: nn.Module) -> dict[str, Any] | None:
     `adapter_config.json`), or None for a model without adapters."""
     if not is_lora(model):
         return None
-    config = model.peft_config[model.active_adapter].to_dict()
+    peft_config: Any = model.peft_config  # peft's (on an nn.Module: typed Tensor | Module)
+    config = peft_config[model.active_adapter].to_dict()
     return json.loads(
         json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
     )

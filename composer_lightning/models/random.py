@@ -48,7 +48,7 @@ def build_random_llama(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(dtype)
+        model = LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]  # transformers' `to`
     model.save_pretrained(str(path), safe_serialization=True)
     return str(path)
 

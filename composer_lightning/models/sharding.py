@@ -9,6 +9,7 @@ included, reshards right after its forward: no unsharded weights stay between fo
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -16,8 +17,11 @@ from torch import Tensor, nn
 from composer_lightning.models.lora import is_lora
 from composer_lightning.runtime.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def data_parallel_mesh(mesh: object) -> object:
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The `data_parallel` dimension of a `ModelParallelStrategy` mesh: FSDP2 shards over it.
 
     Raises:
@@ -37,7 +41,7 @@ def data_parallel_mesh(mesh: object) -> object:
     return mesh["data_parallel"]
 
 
-def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
+def shard_fsdp2(policy: nn.Module, dp_mesh: DeviceMesh, precision: str) -> None:
     """`fully_shard` each decoder layer, then the root, over the data-parallel mesh.
 
     With `precision="bf16-mixed"` the sharded (master) parameters and the optimizer state stay
@@ -48,7 +52,7 @@ def shard_fsdp2(policy: nn.Module, dp_mesh: object, precision: str) -> None:
     _shard(policy, dp_mesh, precision, reshard_root=None)
 
 
-def shard_frozen(model: nn.Module, dp_mesh: object, precision: str) -> None:
+def shard_frozen(model: nn.Module, dp_mesh: DeviceMesh, precision: str) -> None:
     """`fully_shard` a frozen model like the policy (`shard_fsdp2`), its root resharded after
     each forward too: it has no backward that would reshard it.
 
@@ -66,7 +70,9 @@ def full_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
     return weight
 
 
-def _shard(model: nn.Module, dp_mesh: object, precision: str, reshard_root: bool | None) -> None:
+def _shard(
+    model: nn.Module, dp_mesh: DeviceMesh, precision: str, reshard_root: bool | None
+) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
@@ -75,7 +81,7 @@ def _shard(model: nn.Module, dp_mesh: object, precision: str, reshard_root: bool
     # `output_hidden_states` (forward.py) returns the embedding output, a view; nothing modifies
     # it in place, so FSDP2's warning about views is moot here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    base = model.get_base_model() if is_lora(model) else model  # peft: the HF model inside
+    base = model.get_base_model() if is_lora(model) else model  # type: ignore[operator]  # peft: the HF model inside
     for layer in getattr(getattr(base, "model", None), "layers", []):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_root)

@@ -256,7 +256,7 @@ class RolloutBatch:
 
 
 def pad_rows(
-    rows: list[Sequence[Any]],
+    rows: Sequence[Sequence[Any] | Tensor],
     value: float = 0,
     dtype: torch.dtype = torch.long,
     width: int | None = None,

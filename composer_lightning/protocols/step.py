@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -137,14 +137,17 @@ class StepContext:
         """Whether `key` (e.g. "entropy") was computed for this step."""
         return key in self._provided
 
-    def _get(self, key: str) -> Tensor:
+    def _value(self, key: str) -> object:
         value = self._provided.get(key, _MISSING)
         if value is _MISSING:
             raise AttributeError(
                 f"'{key}' was not computed for this step: a head that reads it "
                 "must list it in its `requires`"
             )
-        return value  # type: ignore[return-value]
+        return value
+
+    def _get(self, key: str) -> Tensor:
+        return cast(Tensor, self._value(key))  # every key but "teacher_topk" holds a tensor
 
     @property
     def entropy(self) -> Tensor:
@@ -201,7 +204,7 @@ class StepContext:
     @property
     def teacher_topk(self) -> TopKTargets:
         """The top-k values of π_old and of each candidate hint's teacher (no grad)."""
-        return self._get("teacher_topk")
+        return cast(TopKTargets, self._value("teacher_topk"))
 
     @property
     def ref_logprobs(self) -> Tensor:

@@ -65,7 +65,7 @@ class RunReport(L.Callback):
     def write(self, trainer: L.Trainer, quiet: bool = False) -> str | None:
         """Write the page (rank 0 of a run with a logger); its path, or None. `quiet`: a failure
         is not said."""
-        if not trainer.is_global_zero or not trainer.loggers or trainer.fast_dev_run:
+        if not trainer.is_global_zero or not trainer.loggers or trainer.fast_dev_run:  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
             return None  # a fast_dev_run's loggers are placeholders: nothing is kept
         try:
             from composer_lightning.report.page import write_report

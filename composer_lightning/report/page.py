@@ -216,7 +216,7 @@ def with_mixed(values: dict[str, list[float]], weights: dict[str, float] | None)
     "/"; a head's own metric is `<head>/<metric>`), the advantage the surrogate trains each
     token on (the weights are the effective ones, after any variance or gradient matching)."""
     heads = [k for k in values if "/" not in k and weights and k in weights]
-    if not heads:
+    if not heads or not weights:  # (heads are only found in weights)
         return values
     tokens = len(values[heads[0]])
     mixed = [

@@ -95,7 +95,7 @@ class TokenDetails(L.Callback):
     ) -> None:
         if not self._captured:
             return
-        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+        tokenizer = getattr(trainer.datamodule, "tokenizer", None)  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         rows = [{"step": self._step} | decoded(row, tokenizer) for row in self._captured]
         self._captured = []
         append_rows(trainer, self.filename, rows)

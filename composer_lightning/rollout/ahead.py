@@ -226,17 +226,19 @@ class GenerationAhead:
         the trainer's device (every rank: FSDP2's forward is a collective, and every rank's
         batch is equally stale). Nothing on policy, nor for a batch generated before a resume
         (its version is not in this engine's ring)."""
-        if self.engine is None or rollout.policy_version == pl_module.policy_version:
+        module: Any = pl_module  # a ComposerModule: policy, policy_version, temperature
+        if self.engine is None or rollout.policy_version == module.policy_version:
             return
+        assert rollout.policy_version is not None  # this engine's batches are stamped
         weights = self.engine.version_weights(rollout.policy_version)
-        current = self.engine.version_weights(pl_module.policy_version)
+        current = self.engine.version_weights(module.policy_version)
         if weights is None:
             return
         rollout.behavior_logprobs = version_logprobs(
-            pl_module.policy,
+            module.policy,
             weights,
             rollout,
-            pl_module.temperature,
-            getattr(pl_module, "chunk_size", None),
+            module.temperature,
+            getattr(module, "chunk_size", None),
             current=current,
         )

@@ -21,12 +21,14 @@ orchestrates lives in the modules named above, the hint check among them (`hint_
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor, nn
 
 from composer_lightning.callbacks.samples import write_samples
 from composer_lightning.engines.base import (
@@ -50,7 +52,12 @@ from composer_lightning.rollout.checks import (
     setting_changes,
 )
 from composer_lightning.rollout.dispatch import build_rollout
-from composer_lightning.rollout.episodes import EpisodeSettings, one_turn_episodes
+from composer_lightning.rollout.episodes import (
+    Episode,
+    EpisodeSettings,
+    Generate,
+    one_turn_episodes,
+)
 from composer_lightning.rollout.generation import (
     generate_in_group,
     heldout_seed,
@@ -281,11 +288,17 @@ class RolloutCallback(L.Callback):
         if self._base_seed is None:  # drawn once, by rank 0: every rank samples from it
             self._base_seed = shared_seed()
         if self.max_staleness:
-            weights = iter_hf_weights(pl_module.policy)
+            weights = iter_hf_weights(cast(nn.Module, pl_module.policy))
             self._ahead.start(self.engine, context, weights, torch.get_num_threads())
             return
         self.engine.start(context)
         self._tp_group = tensor_parallel_group(context.world_size, context.rank, tp)
+
+    @property
+    def _seed(self) -> int:
+        """The run's base seed: the sampling's, else drawn in `setup`."""
+        assert self._base_seed is not None  # set in setup, before any generation
+        return self._base_seed
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._push(pl_module)  # also re-syncs a resumed run from the restored weights
@@ -295,7 +308,8 @@ class RolloutCallback(L.Callback):
     def _push(self, pl_module: L.LightningModule) -> float:
         """Push the policy's weights to the engine, fingerprinting them on the way."""
         start = time.perf_counter()
-        weights, version = iter_hf_weights(pl_module.policy), pl_module.policy_version
+        weights: Iterable[tuple[str, Tensor]] = iter_hf_weights(cast(nn.Module, pl_module.policy))
+        version = cast(int, pl_module.policy_version)
         if callable(getattr(self.engine, "weight_fingerprint", None)):
             weights = FingerprintRecorder.for_engine(weights, self.engine)
         if self._ahead.engine is not None:
@@ -340,7 +354,7 @@ class RolloutCallback(L.Callback):
             self._base_seed = int(state_dict["base_seed"])  # the run's drawn seed, kept
         pending = state_dict.get("pending", {})
         if isinstance(pending, list):  # one entry per rank
-            mine = own(pending)
+            mine = cast(dict[str, Any], own(pending))
             restored = mine["batches"]
             self._fingerprints.update(mine["fingerprints"])
         else:  # a checkpoint of one process, before per-rank entries
@@ -399,19 +413,19 @@ class RolloutCallback(L.Callback):
         dataloader_idx: int = 0,
     ) -> None:
         """Greedy and sampled completions of the held-out prompts: the batch's figures."""
-        tokenizer = trainer.datamodule.tokenizer
+        tokenizer = trainer.datamodule.tokenizer  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         sampling = self._sampling(tokenizer)
         engine = self._ahead.engine or self.engine
         tp, prompts = engine.tensor_parallel_size, len(batch["prompt_ids"])
         turns = self.episodes.max_turns  # each turn of an episode samples a range of its own
-        seed = heldout_seed(self._base_seed, batch_idx, prompts, tp, self.val_samples, turns)
+        seed = heldout_seed(self._seed, batch_idx, prompts, tp, self.val_samples, turns)
 
         def generate(prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list:
             return generate_in_group(engine, prompts, n, sampling, self._tp_group)
 
         episodes = None
         if self.episodes.max_turns > 1:
-            dm = trainer.datamodule
+            dm = trainer.datamodule  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
 
             def episodes(prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list:
                 return self.episodes.run(generate, dm, batch["problems"], prompts, n, sampling)
@@ -457,11 +471,12 @@ class RolloutCallback(L.Callback):
         every = self.samples_every_n_steps
         if every and trainer.global_step % every == 0:
             write_samples(trainer, trainer.global_step, self._samples)
+        assert rollout is not None  # (else agree raised)
         rollout.metrics = metrics  # reduced and logged with the module's, once
         rollout = rollout.to(pl_module.device)
         self._ahead.behavior_logprobs(pl_module, rollout)
         batch["rollout"] = rollout
-        trainer.datamodule.consumed = int(batch["index"]) + 1
+        trainer.datamodule.consumed = int(batch["index"]) + 1  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
 
     def _rollout(
         self,
@@ -470,7 +485,7 @@ class RolloutCallback(L.Callback):
         batch: dict[str, Any],
         metrics: StepMetrics,
     ) -> RolloutBatch:
-        dm = trainer.datamodule
+        dm = trainer.datamodule  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         tokenizer = dm.tokenizer
         sampling = self._sampling(tokenizer)
         start = time.perf_counter()
@@ -487,7 +502,13 @@ class RolloutCallback(L.Callback):
                 other = batch if i == step else dm.prompt_batch(i)
                 return other["problems"], other["prompt_ids"]
 
-            def run(generate, problems, prompt_ids, n, sampling) -> list:  # type: ignore[no-untyped-def]
+            def run(
+                generate: Generate,
+                problems: list[dict[str, Any]],
+                prompt_ids: list[list[int]],
+                n: int,
+                sampling: SamplingConfig,
+            ) -> list[list[Episode]]:
                 return self.episodes.run(generate, dm, problems, prompt_ids, n, sampling)
 
             version, episodes, gen_time, engine_print = self._ahead.episodes(
@@ -495,7 +516,7 @@ class RolloutCallback(L.Callback):
                 run,
                 step,
                 sampling,
-                self._base_seed,
+                self._seed,
                 self.group_size,
                 self.episodes.max_turns,
             )
@@ -505,7 +526,7 @@ class RolloutCallback(L.Callback):
                 lambda i: batch["prompt_ids"] if i == step else dm.prompt_batch(i)["prompt_ids"],
                 step,
                 sampling,
-                self._base_seed,
+                self._seed,
                 self.group_size,
             )
             metrics.max("rollout/wait_time", time.perf_counter() - start)
@@ -514,14 +535,14 @@ class RolloutCallback(L.Callback):
             rank, size = world()
             tp = self.engine.tensor_parallel_size
             turns = len(batch["prompt_ids"]) * tp * self.episodes.max_turns  # a seed range per turn
-            seed = sampling_seed(self._base_seed, step, rank, size, tp, turns, self.group_size)
+            seed = sampling_seed(self._seed, step, rank, size, tp, turns, self.group_size)
 
             def generate(prompts: list[list[int]], n: int, s: SamplingConfig) -> list:
                 return generate_in_group(self.engine, prompts, n, s, self._tp_group)
 
             # a seed range of their own: as many seeds as the batch's (n = 1 per turn)
             hinted_seed = sampling_seed(
-                self._base_seed + 2 * 10**9, step, rank, size, tp, turns, self.group_size
+                self._seed + 2 * 10**9, step, rank, size, tp, turns, self.group_size
             )
             if self.hinted_replies is not None and module_reads(pl_module, HINTED_REPLIES):
                 hinted = HintedSampler(
@@ -570,7 +591,7 @@ class RolloutCallback(L.Callback):
             teacher=teacher,
             hinted=hinted,
             check=check,
-            placebo_seed=self._base_seed + 3 * 10**9 + step if self.hint_placebo else None,
+            placebo_seed=self._seed + 3 * 10**9 + step if self.hint_placebo else None,
         )
         if hinted is not None or check is not None:
             self.engine.sleep()

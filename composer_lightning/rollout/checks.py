@@ -38,7 +38,7 @@ def follow_the_sampling_temperature(pl_module: L.LightningModule, sampling: Samp
     """Give the module the sampling temperature, or refuse a module temperature that differs."""
     configured = getattr(pl_module, "configured_temperature", None)
     if configured is None and hasattr(pl_module, "temperature"):
-        pl_module.temperature = sampling.temperature  # the one place it is set
+        pl_module.temperature = sampling.temperature  # type: ignore[assignment]  # the one place it is set
     elif configured is not None and abs(configured - sampling.temperature) > 1e-12:
         raise ConfigError(
             f"model.temperature ({configured}) differs from rollout.sampling.temperature "
@@ -136,7 +136,7 @@ def check_inputs(
         `tokens_needed`, which it must be given) and the run's need; both None for a data
         module of other batches (nothing to check).
     """
-    dm = getattr(trainer, "datamodule", None)
+    dm: Any = getattr(trainer, "datamodule", None)
     if not callable(getattr(dm, "labelled_prompts", None)):
         return RunContext()
     check_minibatches(getattr(pl_module, "minibatches", 1), dm.prompts_per_step)
@@ -200,12 +200,12 @@ def check_task_rows(dm: Any) -> None:
         name = problem.get("task")
         if name is None or name == dm.task_name:
             continue
+        named: type | None
         try:
             named = task_class(name)
+            why = f"that is {named.__module__}.{named.__qualname__}"
         except ValueError as err:
             named, why = None, str(err)
-        else:
-            why = f"that is {named.__module__}.{named.__qualname__}"
         if named is not type(task):
             raise ConfigError(
                 f'data.task {dm.task_name!r} writes rows with "task": {name!r}, which does '

@@ -307,6 +307,7 @@ def build_rollout(
     truncated = torch.tensor([live[e][1].status == "truncated" for e, _ in kept])
     if mask_truncated:
         rollout.response_mask &= ~truncated[:, None]
+        assert rollout.sdpo_mask is not None  # RolloutBatch.__post_init__ fills it
         rollout.sdpo_mask &= ~truncated[:, None]
     by_turn = {turns[k]: (row_rewards[k], hints[k]) for k in range(len(turns))}
     path = dict(zip(turns, map(signal_of, row_rewards, row_hints), strict=True))
@@ -388,6 +389,7 @@ def build_rollout(
             "episode/retokenized_differently",
             float(sum(ep.retokenized_differently for _, ep in flat)),
         )
+    provider: Any
     for provider in (score, hint):  # counts are per step
         if getattr(provider, "truncated", 0):
             provider.truncated = 0

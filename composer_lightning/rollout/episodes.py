@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from composer_lightning.chat import render_ids, template_delta
 from composer_lightning.chat.tool_calls import format_of_template
@@ -227,19 +227,19 @@ def run_episodes(
                         ep.fail(_no_room(len(ids), max_episode_tokens, context_length))
                     continue
                 rooms.setdefault(left, []).append(i)
-            results = []
+            results: list[tuple[Episode, Completion]] = []
             offset = 0
             for left, asked in sorted(rooms.items()):
                 call_seed = None if seed is None else seed + offset
                 offset += len(asked) * G
                 outs = generate(
-                    [openings[i] for i in asked],
+                    [cast(list[int], openings[i]) for i in asked],  # asked: not None
                     G,
                     replace(sampling, seed=call_seed, max_tokens=left),
                 )
-                for i, group in zip(asked, outs, strict=True):
+                for i, replies in zip(asked, outs, strict=True):
                     results.extend(
-                        (ep, c) for ep, c in zip(episodes[i], group, strict=True) if ep.alive
+                        (ep, c) for ep, c in zip(episodes[i], replies, strict=True) if ep.alive
                     )
         else:
             running = [ep for group in episodes for ep in group if ep.alive]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from composer_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
 from composer_lightning.runtime.distributed import world
@@ -30,8 +30,19 @@ def sampling_seed(
     return base + (step * groups + rank // tensor_parallel_size) * max(prompts, 1) * group_size
 
 
+class Generator(Protocol):
+    """What `generate_in_group` uses of an engine (a `RolloutEngine`, or `BackgroundEngine`)."""
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]: ...
+
+
 def generate_in_group(
-    engine: RolloutEngine,
+    engine: Generator,
     prompts: list[list[int]],
     n: int,
     sampling: SamplingConfig,
@@ -46,7 +57,7 @@ def generate_in_group(
         return engine.generate(prompts, n=n, sampling=sampling)
     import torch.distributed as dist
 
-    parts: list[tuple[list[list[int]], int | None]] = [None] * tp  # type: ignore[list-item]
+    parts: list[Any] = [None] * tp  # each rank's (prompts, seed) once gathered
     dist.all_gather_object(parts, (prompts, sampling.seed), group=tp_group)
     offset = sum(len(p) for p, _ in parts[: world()[0] % tp])
     everything = [p for part, _ in parts for p in part]

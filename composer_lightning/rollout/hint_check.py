@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.rollout.hinted import HintedTurn, episode_turn, first_per_group
@@ -72,7 +72,7 @@ def placebo_hints(hints: list[Any], groups: list[int], seed: int) -> list[Any]:
     random.Random(seed).shuffle(order)
     donor = {g: order[(i + 1) % len(order)] for i, g in enumerate(order)}
     taken: dict[int, int] = {}
-    out = []
+    out: list[Any] = []
     for hint, g in zip(hints, groups, strict=True):
         if not hint_candidates(hint):
             out.append(None)
@@ -168,16 +168,16 @@ class HintCheck:
         replies = [group[0] for group in outs]
         scored = [k for k in range(len(prompts)) if checked[k % len(checked)].problem is not None]
         texts = [
-            replies[k].text
-            if replies[k].text is not None
-            else tokenizer.decode(replies[k].token_ids, skip_special_tokens=True)
-            for k in scored
+            reply.text
+            if reply.text is not None
+            else tokenizer.decode(reply.token_ids, skip_special_tokens=True)
+            for reply in (replies[k] for k in scored)
         ]
         values, _ = (
             provider_values(
                 score,
                 "score",
-                [checked[k % len(checked)].problem for k in scored],  # type: ignore[misc]
+                [cast(dict[str, Any], checked[k % len(checked)].problem) for k in scored],
                 texts,
                 [list(replies[k].token_ids) for k in scored],
             )

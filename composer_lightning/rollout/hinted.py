@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from operator import attrgetter, itemgetter
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
@@ -186,7 +186,7 @@ def sample_hinted(
         provider_values(
             score,
             "score",
-            [turns[k].problem for k in scored],  # type: ignore[misc]
+            [cast(dict[str, Any], turns[k].problem) for k in scored],  # scored: not None
             [text[k] for k in scored],
             [list(replies[k].token_ids) for k in scored],
         )

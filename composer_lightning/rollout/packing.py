@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from composer_lightning.chat import TraceSample
@@ -44,7 +46,7 @@ def pack_samples(
 
 def _candidates(
     samples: list[TraceSample], teacher_rows: list[list[int]], pad_id: int, T: int
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:  # (tensors: Any, to go into RolloutBatch(**...))
     """The candidate fields (`[B, C, ...]`) when some sample has candidates, else none; a
     missing candidate repeats the sample's teacher row (never a fully masked row)."""
     C = max(len(s.candidates) for s in samples)
@@ -56,10 +58,10 @@ def _candidates(
             ids, pos = s.candidates[c] if c < len(s.candidates) else (fallback, [-1] * T)
             rows.append(ids)
             positions.append(pos)
-    ids = pad_rows(rows, pad_id)
+    padded = pad_rows(rows, pad_id)
     B = len(samples)
     return {
-        "candidate_input_ids": ids.view(B, C, -1),
+        "candidate_input_ids": padded.view(B, C, -1),
         "candidate_attention_mask": pad_rows([[1] * len(r) for r in rows]).view(B, C, -1),
         "candidate_positions": pad_rows(positions, -1, width=T).view(B, C, T),
         "has_candidate": torch.tensor([[c < len(s.candidates) for c in range(C)] for s in samples]),

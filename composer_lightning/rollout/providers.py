@@ -36,7 +36,7 @@ def provider_values(
         raised or returned the wrong number of values, plus each value of the wrong type.
     """
     n, name = len(problems), type(provider).__name__
-    call = provider.score if kind == "score" else provider.hints
+    call = getattr(provider, "score" if kind == "score" else "hints")
     extra = {"completion_ids": completion_ids} if _takes(call, "completion_ids") else {}
     try:
         values = list(call(problems, completions, **extra))

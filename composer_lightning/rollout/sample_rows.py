@@ -51,14 +51,14 @@ def sample_row(
             "prompt": (ep.turns[0].context or [{"content": ""}])[-1]["content"],
             "completion": ep.turns[0].text,
             "reward": reward,
-            "hint": (hint_candidates(h) or [None])[0],
+            "hint": next(iter(hint_candidates(h)), None),
         } | ({"hint_candidates": h} if len(hint_candidates(h)) > 1 else {})
     messages, t = [], 0
     for m in ep.messages:
         m = {"role": m["role"], "content": m["content"]}
         if m["role"] == "assistant" and t < len(turns):
             value, h = turns[t]
-            m |= {"reward": value, "hint": (hint_candidates(h) or [None])[0]}
+            m |= {"reward": value, "hint": next(iter(hint_candidates(h)), None)}
             t += 1
         messages.append(m)
     tools = {"tools": ep.tools} if ep.tools else {}

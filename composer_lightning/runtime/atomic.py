@@ -69,7 +69,7 @@ def swap_dir(new: str | os.PathLike, path: str | os.PathLike) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def fsync_tree(directory: str | os.PathLike) -> None:
+def fsync_tree(directory: str | os.PathLike[str]) -> None:
     """fsync every file under `directory` and every directory in it, itself included."""
     for root, _, files in os.walk(directory):
         for name in files:

@@ -28,7 +28,7 @@ import errno
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -86,7 +86,9 @@ def atomic_saves(strategy: Strategy) -> None:
     strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
 
 
-def _save_sharded(strategy: Strategy, save: Any, checkpoint: dict[str, Any], path: Path) -> None:
+def _save_sharded(
+    strategy: ModelParallelStrategy, save: Any, checkpoint: dict[str, Any], path: Path
+) -> None:
     """The sharded directory written as `.<name>.tmp` beside `path`, then swapped in; each
     step's outcome is agreed over ranks before the next starts."""
     tmp = path.with_name(f".{path.name}.tmp")  # the same on every rank
@@ -124,7 +126,7 @@ def _local(path: Any) -> bool:
     return "file" in ((protocol,) if isinstance(protocol, str) else protocol)
 
 
-def _sharded(strategy: Strategy) -> bool:
+def _sharded(strategy: Strategy) -> TypeGuard[ModelParallelStrategy]:
     distributed = getattr(strategy, "_save_distributed_checkpoint", False)  # no public name
     return isinstance(strategy, ModelParallelStrategy) and distributed
 

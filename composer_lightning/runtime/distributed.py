@@ -15,8 +15,9 @@ process nothing is communicated.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch.distributed as dist
 from torch import Tensor
@@ -74,7 +75,7 @@ class StepMetrics:
         """A maximum over ranks."""
         self._values[name] = ("max", float(value), 1.0)
 
-    def update(self, values: dict[str, float | Tensor], kind: Kind = "mean") -> None:
+    def update(self, values: Mapping[str, float | Tensor], kind: Kind = "mean") -> None:
         for name, value in values.items():
             getattr(self, kind)(name, value)
 
@@ -105,7 +106,7 @@ def agree(
             raise error
         return metrics.local()
     mine = {"error": None if error is None else _one_line(error), "metrics": metrics._values}
-    gathered: list[dict] = [None] * size  # type: ignore[list-item]
+    gathered: list[Any] = [None] * size  # each rank's `mine` once gathered
     dist.all_gather_object(gathered, mine)
     failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
     if failed:
@@ -139,7 +140,7 @@ def shared_seed() -> int:
     """A fresh random seed, the same on every rank (rank 0's draw); call on every rank."""
     import os
 
-    return int(per_rank(int.from_bytes(os.urandom(6), "little"))[0])
+    return int(cast(list[int], per_rank(int.from_bytes(os.urandom(6), "little")))[0])
 
 
 def own(saved: list[object]) -> object:

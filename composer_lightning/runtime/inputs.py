@@ -67,7 +67,7 @@ def context_length(
     if needed is not None and getattr(engine, "sizes_context", False):
         limit = None if own is None else own[0]
         sized = sized_context(needed, limit)
-        at_most = "" if limit is None or sized < limit else f", the model's maximum ({own[1]})"
+        at_most = "" if own is None or sized < own[0] else f", the model's maximum ({own[1]})"
         return sized, (
             f"{type(engine).__name__}'s context sized for the run: {needed} tokens needed, "
             f"doubled, in blocks of {CONTEXT_BLOCK}{at_most}; set max_model_len to choose it"

@@ -158,8 +158,9 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> Differences:
             out.honoured.append(line(key, new, old) + "; the weights are the checkpoint's")
         else:
             out.honoured.append(line(key, new, old))
-    old_heads, new_heads = _head_entries(saved.get("heads")), _head_entries(current.get("heads"))
-    for name in sorted(set(old_heads or {}) & set(new_heads or {})):
+    old_heads = _head_entries(saved.get("heads")) or {}
+    new_heads = _head_entries(current.get("heads")) or {}
+    for name in sorted(set(old_heads) & set(new_heads)):
         old, new = old_heads[name], new_heads[name]
         if old.get("class_path") != new.get("class_path"):
             new_cls, old_cls = (str(e.get("class_path")).rpartition(".")[2] for e in (new, old))
@@ -215,18 +216,20 @@ def leave_frozen_out(module: torch.nn.Module, keep: tuple[str, ...] = ()) -> Non
     models stay as configured and loaded (sharded or not). The models named in `keep` change
     during training (a reference synced to the policy, `training/refsync.py`): they are
     saved and loaded like the policy."""
-    module._frozen_keys = tuple(f"{name}." for name in FROZEN if name not in keep)
+    left_out = tuple(f"{name}." for name in FROZEN if name not in keep)
+    module._frozen_keys = left_out  # type: ignore[assignment]  # torch: attributes are Tensor | Module
     module.register_state_dict_post_hook(_drop_frozen)
     module.register_load_state_dict_post_hook(_frozen_not_missing)
 
 
 def _drop_frozen(module: torch.nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
-    for key in [k for k in state if k[len(prefix) :].startswith(module._frozen_keys)]:
+    left_out: tuple[str, ...] = module._frozen_keys  # type: ignore[assignment]  # see above
+    for key in [k for k in state if k[len(prefix) :].startswith(left_out)]:
         del state[key]
 
 
 def _frozen_not_missing(module: torch.nn.Module, keys: Any) -> None:
-    left_out = module._frozen_keys
+    left_out: tuple[str, ...] = module._frozen_keys  # type: ignore[assignment]  # see above
     keys.missing_keys[:] = [k for k in keys.missing_keys if not k.startswith(left_out)]
 
 
@@ -236,8 +239,8 @@ def keep_frozen(checkpoint: dict[str, Any], keep: tuple[str, ...] = ()) -> None:
     never read (only the module's own state dict keys are loaded). Those named in `keep` are
     the checkpoint's to restore."""
     left_out = tuple(f"{name}." for name in FROZEN if name not in keep)
-    state = checkpoint.get("state_dict")
-    for key in [k for k in state or {} if k.startswith(left_out)]:
+    state = checkpoint.get("state_dict") or {}
+    for key in [k for k in state if k.startswith(left_out)]:
         del state[key]
 
 
@@ -299,6 +302,7 @@ class ConfiguredOptimizer:
         if not saved_scheduler:
             lines.append("resuming with an lr scheduler (the checkpoint was trained without one)")
         else:
+            assert self.scheduler is not None  # configured with a scheduler, as resumed with one
             restored = scheduler.state_dict()
             for key in sorted(set(self.scheduler) - _PROGRESS - {"base_lrs"}):
                 if key in restored and not same(restored[key], self.scheduler[key]):

@@ -30,7 +30,7 @@ import functools
 import itertools
 import threading
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -71,8 +71,9 @@ def engine_max_context(engine: Any) -> int | None:
     """The most tokens (prompt + reply) a started engine takes: a transformers model's
     `max_position_embeddings`, vLLM's `max_model_len`; None when it says neither."""
     config = getattr(getattr(engine, "model", None), "config", None)
-    if getattr(config, "max_position_embeddings", None) is not None:
-        return int(config.max_position_embeddings)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None:
+        return int(max_positions)
     vllm_config = getattr(
         getattr(getattr(engine, "llm", None), "llm_engine", None), "model_config", None
     )
@@ -248,7 +249,7 @@ class ReplyStream:
         self.cancelled = False
         self._tokens: list[list[int]] = [[] for _ in range(n)]
         self._logprobs: list[list[float]] = [[] for _ in range(n)]
-        self._finish: list[str | None] = [None] * n
+        self._finish: list[Literal["stop", "length"] | None] = [None] * n
         self._error: BaseException | None = None
         self._new: list[Delta] = []
         self._cond = threading.Condition()
@@ -308,9 +309,13 @@ class ReplyStream:
             raise self._error
         assert self.version is not None
         return [
-            Completion(list(t), list(lp), f or "length")  # type: ignore[arg-type]
+            Completion(list(t), list(lp), f or "length")
             for t, lp, f in zip(self._tokens, self._logprobs, self._finish, strict=True)
         ], self.version
+
+
+class _StepRolloutEngine(StepEngine, RolloutEngine, Protocol):
+    """What `StepBackend` drives: a `StepEngine` that is a `RolloutEngine` too (vLLM's)."""
 
 
 class StepBackend:
@@ -344,8 +349,9 @@ class StepBackend:
                 f"StepBackend needs an engine with add/step/abort (vLLM's); got "
                 f"{type(engine).__name__} (serve it with EngineBackend)"
             )
-        self.engine, self.tokenizer = engine, tokenizer
-        engine.start(context or EngineContext())
+        self.engine = cast(_StepRolloutEngine, engine)  # (only StepEngine is checkable)
+        self.tokenizer = tokenizer
+        self.engine.start(context or EngineContext())
         self.max_context = engine_max_context(engine) if max_context is None else max_context
         self.engine_steps = 0  # steps run so far
         self._cond = threading.Condition()

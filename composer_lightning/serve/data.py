@@ -32,7 +32,7 @@ class ServeDataModule(L.LightningDataModule):
         super().__init__()
         self.tokenizer_path = tokenizer
         self.consumed = 0
-        self._tokenizer = None
+        self._tokenizer: Any = None
 
     @property
     def tokenizer(self) -> Any:

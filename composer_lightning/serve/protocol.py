@@ -9,7 +9,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from composer_lightning.chat.tool_calls import call_start, may_begin, split_reply
 
@@ -27,7 +27,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
     ) -> None:
         # a message or field name may quote a client's text: kept sendable as UTF-8 JSON
-        message, param = (_sendable(x) for x in (message, param))
+        message, param = _sendable(message), _sendable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
             status,
@@ -43,6 +43,10 @@ class ApiError(Exception):
         return {"error": {**error, "code": self.code}}
 
 
+@overload
+def _sendable(text: str) -> str: ...
+@overload
+def _sendable(text: None) -> None: ...
 def _sendable(text: str | None) -> str | None:
     """`text` with what UTF-8 cannot carry (a lone surrogate) written as its escape."""
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -14,7 +14,7 @@ JSON's `\\ud800` escapes can write).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, overload
 
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 from starlette.requests import Request
@@ -111,6 +111,12 @@ def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int 
     return value
 
 
+@overload
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float: ...
+@overload
+def _number(
+    body: dict[str, Any], key: str, lo: float, hi: float, default: None
+) -> float | None: ...
 def _number(
     body: dict[str, Any], key: str, lo: float, hi: float, default: float | None
 ) -> float | None:
@@ -222,7 +228,9 @@ def _stop(value: Any) -> list[str]:
     return list(stops)
 
 
-def _session(body: dict[str, Any], headers: dict[str, str], side: bool = False) -> tuple[str, bool]:
+def _session(
+    body: dict[str, Any], headers: dict[str, str], side: bool = False
+) -> tuple[str | None, bool]:  # no session: a side turn's
     header, field = headers.get(SESSION_HEADER), body.get("session_id")
     if field is not None and (not isinstance(field, str) or not field):
         raise _bad("session_id", f"'session_id' must be a non-empty string, got {_shown(field)}")

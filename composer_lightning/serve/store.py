@@ -289,6 +289,7 @@ class TurnStore:
                         j,
                     ),
                 )
+                assert cur.lastrowid is not None  # set by the INSERT
                 out.append(int(cur.lastrowid))
             return out
 
@@ -300,6 +301,7 @@ class TurnStore:
                 "INSERT INTO launches (parent, start_version, created) VALUES (?, ?, ?)",
                 (None if parent is None else int(parent), int(start_version), time.time()),
             )
+            assert cur.lastrowid is not None  # set by the INSERT
             return int(cur.lastrowid)
 
     def launches(self) -> dict[int, tuple[int | None, int]]:

@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
@@ -134,7 +134,14 @@ class ServeCallback(RolloutCallback):
         if score is None:
             raise ValueError("ServeCallback needs a per-turn score provider (rollout.score)")
         super().__init__(
-            engine, 1, sampling, score, hint, hint_role, samples_every_n_steps=0, val_samples=1
+            engine,
+            1,
+            sampling,
+            score,
+            hint,
+            cast(Literal["user", "system", "inline"], hint_role),  # checked in setup
+            samples_every_n_steps=0,
+            val_samples=1,
         )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -158,7 +165,11 @@ class ServeCallback(RolloutCallback):
         if not judge_backoff_s >= 0:
             raise ValueError(f"judge_backoff_s must be >= 0 seconds, got {judge_backoff_s!r}")
         self.judge_attempts, self.judge_backoff_s = judge_attempts, float(judge_backoff_s)
-        self.store = self.server = self.backend = self.app = None
+        # TurnStore, BackgroundServer, its backend and app: from setup to teardown, else None
+        self.store: Any = None
+        self.server: Any = None
+        self.backend: Any = None
+        self.app: Any = None
         self._store_file = ""
         self.url: str | None = None
         self._judge: threading.Thread | None = None
@@ -183,7 +194,7 @@ class ServeCallback(RolloutCallback):
                 f"serve runs one process (one engine behind one endpoint); got {trainer.world_size}"
             )
         super().setup(trainer, pl_module, stage)  # temperature, engine start
-        tokenizer = trainer.datamodule.tokenizer
+        tokenizer = trainer.datamodule.tokenizer  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         # vLLM schedules continuously and streams; other engines share calls (`backend.py`)
         kind = StepBackend if isinstance(self.engine, StepEngine) else EngineBackend
         self.backend = kind(self.engine, tokenizer, context=EngineContext.current())
@@ -339,8 +350,9 @@ class ServeCallback(RolloutCallback):
         read right after the load, before any request is served with them."""
         start = time.perf_counter()
         if self.backend is not None:
-            version = pl_module.policy_version
-            weights = FingerprintRecorder.for_engine(iter_hf_weights(pl_module.policy), self.engine)
+            version = cast(int, pl_module.policy_version)
+            policy = cast(torch.nn.Module, pl_module.policy)
+            weights = FingerprintRecorder.for_engine(iter_hf_weights(policy), self.engine)
             engine_print = self.backend.push(weights, version)
             self._fingerprint_params = check_fingerprint(weights.finish(), engine_print, version)
         return time.perf_counter() - start
@@ -352,10 +364,10 @@ class ServeCallback(RolloutCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         start = time.perf_counter()
-        version = pl_module.policy_version
+        version = cast(int, pl_module.policy_version)
         turns = self.take(trainer, version)
         self._trained += [t.id for t in turns]
-        tokenizer = trainer.datamodule.tokenizer
+        tokenizer = trainer.datamodule.tokenizer  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         rollout = self.samples(turns, tokenizer, version)
         metrics = StepMetrics()
         counts = self.store.counts()
@@ -382,6 +394,7 @@ class ServeCallback(RolloutCallback):
         )
         metrics.max("serve/wait_time", time.perf_counter() - start)
         metrics.max("rollout/fingerprint_params", float(self._fingerprint_params))
+        assert rollout.policy_version is not None  # stamped by `samples`
         metrics.max("rollout/staleness_max", float(version - rollout.policy_version))
         rewarded = [t.reward for t in turns if t.reward is not None]
         metrics.mean(
@@ -390,7 +403,7 @@ class ServeCallback(RolloutCallback):
         )  # fmt: skip
         rollout.metrics = metrics
         batch["rollout"] = rollout.to(pl_module.device)
-        trainer.datamodule.consumed = int(batch["index"]) + 1
+        trainer.datamodule.consumed = int(batch["index"]) + 1  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
 
     def dropped_since_last_step(self, counts: dict[str, int]) -> int:
         """Turns dropped for no signal since the previous step (the other dispatch paths are
@@ -487,7 +500,7 @@ def _signalled(trainer: L.Trainer) -> bool:
     """Whether a stop signal reached this process (`CheckpointOnStop`'s flag, or Lightning's)."""
     from composer_lightning.callbacks.stop import CheckpointOnStop
 
-    for cb in trainer.callbacks:
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         if isinstance(cb, CheckpointOnStop) and cb._received:
             cb._signal = cb._received
             return True

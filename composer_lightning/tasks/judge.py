@@ -151,7 +151,7 @@ class _Judge:
             path = resolve_model(tokenizer, what="judge tokenizer", require=TOKENIZER_FILE)
             tokenizer = AutoTokenizer.from_pretrained(path)
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.tokenizer: Any = tokenizer
         self.votes = votes
         self.template = template if template is not None else load_template(self.default_template)
         if sampling is None:  # OpenClaw-RL's judge sampling: a reasoning model thinks first

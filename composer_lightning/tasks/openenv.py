@@ -59,7 +59,7 @@ class OpenEnvTask(Task):
         self.tasks = list(tasks) if tasks is not None else None
         if self.tasks == []:
             raise ValueError("OpenEnvTask: tasks is empty (None: draw seeds instead)")
-        self.episode_args = {
+        self.episode_args: dict[str, Any] = {
             "max_turns": max_turns,
             "max_tool_calls_per_turn": max_tool_calls_per_turn,
             "max_total_tool_calls": max_total_tool_calls,

@@ -199,7 +199,7 @@ class FunctionScore(ScoreProvider):
         """What was logged since the last call, each as `(mean, weight)`: every function's
         `rewards/<name>/mean` and `/std` over the samples it scored (weight: their number),
         and each `log_metric` name's mean over its calls (weight: the calls)."""
-        out = {}
+        out: dict[str, tuple[float, float]] = {}
         for name, values in self._metrics.items():
             if name.startswith("rewards/"):
                 mean = sum(values) / len(values)

@@ -138,7 +138,7 @@ class ToolCalc(Task):
     def sample(self, rng: random.Random) -> Problem:
         # two terms draw a, b, then the phrasing: the problems of every seed as before `terms`
         values = [rng.randint(self.min_value, self.max_value) for _ in range(self.terms)]
-        return self.make(*values[:2], int(rng.random() < self.xy_share), tuple(values[2:]))
+        return self.make(values[0], values[1], int(rng.random() < self.xy_share), tuple(values[2:]))
 
     def environment(self, problem: Problem) -> PythonToolEnv:
         """A fresh calculator environment: the one tool `add`."""

@@ -90,9 +90,9 @@ def backward(
         leaves = {"states": scores.states}
     else:
         leaves = {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
-    head = scores.lm_head_weight
+    head: Tensor | None = scores.lm_head_weight
     stand_in = scores.hidden is not None or scores.states is not None
-    if not stand_in or not _fsdp2(policy) or not head.requires_grad:
+    if not stand_in or not _fsdp2(policy) or not scores.lm_head_weight.requires_grad:
         head = None  # no stand-in copy: any gradient is in the parameter already
     with gradient_sync(policy, False):
         run_backward(loss)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +80,7 @@ def check_canary(
         OutOfSyncError: on every rank, when a rank's gap is over `max_logprob_gap` or not
             finite."""
     metrics = StepMetrics()
+    trainer: Tensor | None
     trainer, covered = old, rb.response_mask
     if stale:
         trainer = rb.behavior_logprobs
@@ -165,9 +167,10 @@ def _assign(param: Tensor, full: Tensor) -> None:
     each rank cuts its shard from its own full copy, no communication)."""
     full = full.to(device=param.device, dtype=param.dtype)
     if hasattr(param, "to_local"):
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        dtensor = cast(DTensor, param)  # (`to_local`: a sharded parameter)
+        shard = distribute_tensor(full, dtensor.device_mesh, dtensor.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:
         param.copy_(full)
@@ -202,6 +205,7 @@ def _weights_of(
             if current is not None:
                 _assign(p.detach(), current[hf_name(name)])
             else:
+                assert backup is not None  # taken when there is no `current`
                 p.detach().copy_(backup[name])
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +35,15 @@ from composer_lightning.runtime.resume import (
     keep_frozen,
     policy_mismatch,
 )
+
+if TYPE_CHECKING:  # the class this mixin goes before, and what the module defines
+    from lightning import LightningModule as _Module
+
+    from composer_lightning.runtime.resume import ConfiguredOptimizer
+    from composer_lightning.training.objective import Objective
+    from composer_lightning.training.refsync import ReferenceSync
+else:
+    _Module = object
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +100,7 @@ def load_state(
 
 def _own_state(state: dict[str, Any]) -> dict[str, Any]:
     if "ranks" in state:
-        return own(state["ranks"])
+        return cast(dict[str, Any], own(state["ranks"]))
     if "heads" in state and world()[1] > 1:
         warnings.warn(
             "this checkpoint holds one rank's head and RNG state (it predates per-rank "
@@ -177,7 +186,7 @@ def check_loop_settings(**settings: Any) -> None:
             raise ValueError(f"{name} must be > 0 or None, got {v!r}")
 
 
-class CheckpointHooks:
+class CheckpointHooks(_Module):
     """`ComposerModule`'s checkpoint hooks: what it adds to a checkpoint, what a resume may
     change, and the state it restores (a mixin before `L.LightningModule`).
 
@@ -185,6 +194,23 @@ class CheckpointHooks:
     `allow_head_changes`, `trainable_parameters()` and `_optimizer_and_scheduler()`; owns
     `_policy_files`, `_restored_rng`, `_configured` and `_resumed_scheduler`.
     """
+
+    if TYPE_CHECKING:
+        policy: nn.Module
+        policy_path: str | None
+        policy_version: int
+        objective: Objective
+        reference_sync: ReferenceSync
+        allow_head_changes: bool
+        _policy_files: dict[str, bytes] | None
+        _restored_rng: dict[str, Any] | None
+        _configured: ConfiguredOptimizer | None
+        _resumed_scheduler: bool | None
+
+        @property
+        def heads(self) -> list[Head]: ...
+        def trainable_parameters(self) -> list[nn.Parameter]: ...
+        def _optimizer_and_scheduler(self, params: Any) -> tuple[torch.optim.Optimizer, Any]: ...
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -245,7 +271,7 @@ class CheckpointHooks:
         if self._resumed_scheduler is not None and self._configured is not None:
             # the optimizer now holds the checkpoint's settings: the configured ones win
             lines = self._configured.restore(
-                self.optimizers(use_pl_optimizer=False),
+                cast(torch.optim.Optimizer, self.optimizers(use_pl_optimizer=False)),  # the one
                 self.lr_schedulers(),
                 lambda: self._optimizer_and_scheduler(
                     [nn.Parameter(torch.empty((0,) * p.ndim)) for p in self.trainable_parameters()]

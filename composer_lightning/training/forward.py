@@ -265,10 +265,12 @@ def step_context(
         out = score_tokens(
             policy, ids, attn, temperature=temperature, mask=mask, chunk_size=chunk_size
         )
+        assert out.states is not None  # score_tokens returns them
         other_states.append(out.states)
         return out.logprobs
 
     def reference_forward(ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
+        assert reference is not None  # handed out only with a reference (below)
         return score_tokens(
             reference, ids, attn, temperature=temperature, mask=mask, chunk_size=chunk_size
         ).logprobs

@@ -47,7 +47,8 @@ def final_hidden(
     Position ids follow the attention mask (left padding). Only the last position's logits are
     computed by the model itself (`logits_to_keep=1`).
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # (torch types an nn.Module's attributes as Tensor | Module: an HF method is "not callable")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
     if head is None or getattr(head, "bias", None) is not None:
         raise TypeError(
             f"{type(model).__name__} must be an HF-style causal LM with an LM head "
@@ -65,9 +66,9 @@ def final_hidden(
     # read after the forward: under FSDP2 the policy root's unsharded weight, a frozen root's
     # shard (gathered here)
     states = out.hidden_states[-1]
-    return states, full_weight(model.get_output_embeddings().weight, states.dtype)
+    return states, full_weight(model.get_output_embeddings().weight, states.dtype)  # type: ignore[operator]
 
 
 def vocab_size(model: nn.Module) -> int:
     """The vocabulary size of a causal LM's LM head."""
-    return int(model.get_output_embeddings().weight.shape[0])
+    return int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]

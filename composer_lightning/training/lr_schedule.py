@@ -87,7 +87,7 @@ class WarmupDecayLR(LRScheduler):
         self.decay, self.min_lr_rate = decay, float(min_lr_rate)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:  # LRScheduler's base_lrs may be tensors
         # closed form of the step, so a replayed or restored schedule lands on the same value
         factor = lr_factor(
             self.last_epoch,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -97,7 +98,7 @@ def trimmed(mb: RolloutBatch) -> RolloutBatch:
     tw = (
         None if mb.teacher_attention_mask is None else int(lengths(mb.teacher_attention_mask).max())
     )
-    cut = {}
+    cut: dict[str, Any] = {}
     for f in fields(mb):
         v = getattr(mb, f.name)
         if not isinstance(v, Tensor) or v.dim() < 2:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import lightning as L
 import torch
@@ -75,6 +75,9 @@ from composer_lightning.training.objective import (
 from composer_lightning.training.refsync import ReferenceSync
 from composer_lightning.training.steplog import log_step, log_validation
 from composer_lightning.training.targets import rollout_targets
+
+if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
 
 __all__ = ["ComposerModule", "OutOfSyncError"]
 
@@ -239,7 +242,9 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         allow_head_changes: bool = False,
     ):
         super().__init__()
-        live = dict(policy=policy, heads=heads, reference=reference, teacher=teacher, peft=peft)
+        live: dict[str, Any] = dict(
+            policy=policy, heads=heads, reference=reference, teacher=teacher, peft=peft
+        )
         live.update(optimizer=optimizer, lr_scheduler=lr_scheduler)
         self.save_hyperparameters(ignore=hparams_to_ignore(**live))
         for name in ("policy", "reference", "teacher"):  # readable from any working directory
@@ -288,7 +293,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         without_dropout(self.policy)  # every forward of the step deterministic (models/dropout.py)
         self._policy_files: dict[str, bytes] | None = None
         if activation_checkpointing:
-            self.policy.gradient_checkpointing_enable({"use_reentrant": False})
+            self.policy.gradient_checkpointing_enable({"use_reentrant": False})  # type: ignore[operator]  # HF's
         self.reference = reference_model(reference, self.policy, self.heads, init)
         self.teacher = frozen_model(teacher, "model.teacher", init)
         self.reference_sync = ReferenceSync(ref_model_sync_steps, ref_model_mixup_alpha)
@@ -344,7 +349,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         # progress in optimizer steps, not Lightning's "Epoch 0/-2" of an endless stream
         bar = in_place_of_the_default_bar(self.trainer)
         # a collapse is said as it happens, with the trainer's own thresholds if it has a watch
-        watched = any(isinstance(c, CollapseWatch) for c in self.trainer.callbacks)
+        watched = any(isinstance(c, CollapseWatch) for c in self.trainer.callbacks)  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
         watch = [] if watched else [CollapseWatch()]
         steps = OptimizerSteps(self.updates_per_batch)  # one step axis
         return bar + watch + [steps, AbsorbedUpdates(), CheckpointOnStop(), AtomicCheckpoints()]
@@ -424,13 +429,15 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
                 f"training_step expects a RolloutBatch (or a dict with key 'rollout'), "
                 f"got {type(rb).__name__}; is the rollout callback configured?"
             )
-        opt, sched = self.optimizers(), self.lr_schedulers()
+        opt = cast("LightningOptimizer", self.optimizers())  # one optimizer, one scheduler or none
+        sched = cast("torch.optim.lr_scheduler.LRScheduler | None", self.lr_schedulers())
         splits, error = None, None
         try:
             splits = rb.group_splits(self.minibatches)
         except ValueError as exc:
             error = exc
         agree(error=error)  # a rank that cannot split its batch stops every rank, here
+        assert splits is not None  # (else agree raised)
         updates = self.ppo_epochs * len(splits)
         needs = self.objective.requirements_over(self.global_step, updates)
         plans = (
@@ -468,6 +475,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             if update == 0:
                 if targets.old_logprobs is None:  # a single update: the current log-probs
                     targets = replace(targets, old_logprobs=ctx.old_logprobs)
+                assert targets.old_logprobs is not None  # (set just above if it was not)
                 canary = check_canary(rb, targets.old_logprobs, self._max_gap(rb), stale)
                 if rb.policy_version is not None:
                     canary.max("rollout/staleness", self.policy_version - rb.policy_version)
@@ -480,12 +488,13 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             if plan is None:
                 self.manual_backward(loss)
             else:
+                assert scores is not None  # computed for a plan
                 accumulate.backward(
                     self.forwards, loss, scores, mb, plan, requirements, self.manual_backward
                 )
             # the context holds the minibatch's [B, T, H] hidden states: not into the next
             # update's forward
-            ctx = scores = None
+            del ctx, scores
             # the norm over every rank (DDP's reduced gradients, FSDP2's full norm): one
             # decision on every rank
             params = self.trainable_parameters()
@@ -512,11 +521,11 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         reduced = agree(step_metrics)  # the step's one reduction of its metrics
         bar = {"loss": history["train/loss"][-1], "reward": reduced.get("rollout/reward_mean")}
         bar["s/step"] = reduced.get("time/step")
-        bar = {k: v for k, v in bar.items() if v is not None}
+        shown = {k: v for k, v in bar.items() if v is not None}
         for name in CANARY_METRICS:  # a step that compared nothing shows no old figures
             if name not in reduced:
                 self.trainer.callback_metrics.pop(name, None)
-        log_step(self.trainer, self.global_step - 1, reduced, bar, updates)
+        log_step(self.trainer, self.global_step - 1, reduced, shown, updates)
         self.policy_version += 1
         return loss.detach()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
@@ -303,6 +303,7 @@ class Objective:
                     out.advantages, active.bool()
                 )
             else:
+                assert out.loss is not None  # HeadOutput holds exactly one of the two
                 metrics[f"{name}/loss"] = out.loss.detach()
         terms = self.advantage_terms(batch, outputs, weights)
         effective = {name: weights[name] for name in outputs} | {t.name: t.weight for t in terms}
@@ -314,7 +315,7 @@ class Objective:
                 # the unweighted pieces' norms (a computed head's weight is > 0)
                 unit = {n: float(gram[h, h]) / effective[n] ** 2 for h, n in enumerate(names)}
                 scales = grad_norm_scales(unit, self.grad_norm_matching)
-            elif self.caps_teachers(weights):
+            elif self.teacher_cap is not None and self.caps_teachers(weights):
                 scales = teacher_cap_scales(gram, names, self.teachers, self.teacher_cap)
                 metrics.update({f"{n}/cap_scale": scales[n] for n in names if n in self.teachers})
             if scales is not None:
@@ -382,6 +383,7 @@ class Objective:
             if head.loss is not None:
                 out[name] = weights[name] * head.loss
             else:
+                assert head.advantages is not None  # HeadOutput holds exactly one of the two
                 scaled = weights[name] * head.advantages.detach()
                 out[name] = policy_loss(
                     ctx.logprobs, ctx.old_logprobs, scaled, batch.response_mask, **kw
@@ -467,9 +469,12 @@ class Objective:
                 ctx.logprobs, ctx.old_logprobs, mixed, batch.response_mask, **kw
             )
         else:
-            loss = sum(
-                policy_loss(ctx.logprobs, ctx.old_logprobs, a, batch.response_mask, **kw)[0]
-                for a in scaled
+            loss = cast(  # a tensor: `scaled` is never empty (stacked above)
+                Tensor,
+                sum(
+                    policy_loss(ctx.logprobs, ctx.old_logprobs, a, batch.response_mask, **kw)[0]
+                    for a in scaled
+                ),
             )
             with torch.no_grad():
                 _, metrics = policy_loss(

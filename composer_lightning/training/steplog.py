@@ -14,8 +14,11 @@ torchmetrics means that Lightning reduces over validation batches and ranks.
 
 from __future__ import annotations
 
+from typing import cast
+
 import lightning as L
 import torch
+from torch import nn
 from torchmetrics import MeanMetric
 
 
@@ -31,7 +34,7 @@ def log_step(
     logged when one of them falls on the `log_every_n_steps` schedule."""
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
     trainer.progress_bar_metrics.update(prog_bar)
-    every = trainer.log_every_n_steps
+    every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set in Trainer.__init__
     due = every and (step + 1) // every > (step + 1 - updates) // every
     if not trainer.loggers or not every or not (due or trainer.should_stop):
         return
@@ -44,14 +47,16 @@ def log_validation(module: L.LightningModule, figures: dict[str, tuple[float, fl
     over batches and ranks."""
     if not hasattr(module, "val_metrics"):
         raise TypeError("log_validation needs the module's `val_metrics` ModuleDict")
+    val_metrics = cast(nn.ModuleDict, module.val_metrics)
     for name, (value, weight) in figures.items():
         key = name.replace("@", "_at_").replace(".", "_")  # a ModuleDict key
-        if key not in module.val_metrics:
-            module.val_metrics[key] = MeanMetric().to(module.device)
-        module.val_metrics[key].update(value, weight=weight)
+        if key not in val_metrics:
+            val_metrics[key] = MeanMetric().to(module.device)
+        metric = cast(MeanMetric, val_metrics[key])
+        metric.update(value, weight=weight)
         module.log(
             f"val/{name}",
-            module.val_metrics[key],
+            metric,
             on_step=False,
             on_epoch=True,
             batch_size=max(1, int(weight)),

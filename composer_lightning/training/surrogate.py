@@ -8,6 +8,7 @@ beside a head whose advantages differ along a response.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -69,7 +70,7 @@ def entropy_tokens(ctx: StepContext, batch: RolloutBatch, quantile: float) -> Te
     over every rank's minibatch (a collective: every rank calls it in every step)."""
     mask = batch.response_mask.bool()
     ent = ctx.entropy.detach()
-    pool = torch.cat([p.to(ent) for p in per_rank(ent[mask].cpu())])
+    pool = torch.cat([p.to(ent) for p in cast(list[Tensor], per_rank(ent[mask].cpu()))])
     return high_entropy_mask(ent, mask, quantile, pool).bool()
 
 

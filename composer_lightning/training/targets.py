@@ -68,7 +68,9 @@ def rollout_targets(
     want_topk = "teacher_topk" in needs and f.topk > 0
     candidates = agreed_candidates(rb) if want_topk else 0
     scored = [("old_logprobs", policy)] if old else []
-    scored += [("ref_logprobs", reference)] if "ref_logprobs" in needs else []
+    if "ref_logprobs" in needs:
+        assert reference is not None  # built for the heads that read it (reference_model)
+        scored.append(("ref_logprobs", reference))
     for n, idx in enumerate(splits):
         mb, plan = rb.select(idx), None if plans is None else plans[n]
         for key, model in scored:
@@ -102,13 +104,14 @@ def rollout_targets(
                         f.topk,
                         candidates,
                         temperature,
-                        chunk_tokens(policy.get_output_embeddings().weight, chunk_size),
+                        chunk_tokens(policy.get_output_embeddings().weight, chunk_size),  # type: ignore[operator]
                         plan,
                     ),
                 )
             )
     head = None
     if want_hidden and (teacher is not None or snapshot_teacher_head):
+        assert head_weight is not None  # the teacher forward ran (want_hidden: want_teacher)
         head = head_weight.detach().clone() if teacher is None else head_weight
     return RolloutTargets(
         **{k: _assemble(v, B) for k, v in parts.items()},
@@ -128,6 +131,7 @@ def _teacher(
     if mb.teacher_input_ids is None:  # nothing hinted: a placeholder keeps collectives in step
         ids, attn = mb.input_ids[:1, :1], mb.attention_mask[:1, :1]
     else:
+        assert mb.teacher_attention_mask is not None  # given with teacher_input_ids
         ids, attn = mb.teacher_input_ids, mb.teacher_attention_mask
     states, weight = final_hidden(model, ids, attn)  # [b, T', H]
     if mb.teacher_input_ids is None:
@@ -138,6 +142,8 @@ def _teacher(
             torch.zeros(B, dtype=torch.bool, device=zeros.device),
             weight,
         )
+    assert mb.teacher_positions is not None  # given with teacher_input_ids
+    assert mb.has_teacher is not None and mb.sdpo_mask is not None  # __post_init__
     lp_own = chunked_logprobs_from_hidden(
         states,
         weight,

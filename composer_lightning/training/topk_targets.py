@@ -51,6 +51,8 @@ def _pieces(mb: RolloutBatch, plan: Plan | None, which: str):
 
 def _candidate_view(mb: RolloutBatch, c: int) -> RolloutBatch:
     """`mb` with candidate `c`'s teacher context in the teacher fields."""
+    assert mb.candidate_input_ids is not None and mb.candidate_attention_mask is not None
+    assert mb.candidate_positions is not None and mb.has_candidate is not None  # `have` > c
     return replace(
         mb,
         teacher_input_ids=mb.candidate_input_ids[:, c],
@@ -107,6 +109,7 @@ def topk_targets(
         if old_hidden is None:
             old_hidden = states.new_zeros(B, T, states.shape[-1])
             old_lp, old_lse = states.new_zeros(B, T, k), states.new_zeros(B, T)
+        assert old_lp is not None and old_lse is not None  # made with old_hidden
         old_hidden[rows, 1:w] = states[:, : w - 1]
         sel = tokens[rows, :w]
         ids, lp, _, lse = topk_from_hidden(
@@ -121,6 +124,7 @@ def topk_targets(
     dtype = old_hidden.dtype if old_hidden is not None else torch.float32
     if old_hidden is None:  # every piece a placeholder (a rank without rows)
         old_lp, old_lse = torch.zeros(B, T, k, device=dev), torch.zeros(B, T, device=dev)
+    assert old_lp is not None and old_lse is not None  # made with old_hidden, or just above
     t_lp, t_at_old, old_at_t = (torch.zeros(shape, dtype=dtype, device=dev) for _ in range(3))
     aligned = torch.zeros(B, candidates, dtype=torch.bool, device=dev)
     have = 0 if mb.candidate_input_ids is None else mb.candidate_input_ids.shape[1]
@@ -149,6 +153,7 @@ def topk_targets(
                 chunk_size,
                 at=old_ids[rows, :w][sel],
             )
+            assert old_hidden is not None  # these rows ran in the student pass
             at_t = logprobs_at_given_lse(
                 old_hidden[rows, :w][sel], policy_weight, ids, old_lse[rows, :w][sel], temperature
             )
