@@ -125,6 +125,7 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
             sampling=SamplingConfig(max_tokens=6, seed=0),
             score=FunctionScore(reward) if uneven else None,
             hint=RankHint(candidates=2) if uneven else VerifierHint(candidates=2),
+            hint_role="user",  # as these runs were set up: the clip binds on every step
             hinted_replies=HintedReplies(temperature=0.0),
         )
     ]
