@@ -216,6 +216,8 @@ def main() -> None:
                     engine,
                     group_size=G,
                     hint=VerifierHint(),
+                    hint_trust="always",  # the same teacher work at any staleness (a check
+                    # needs the trainer's engine, which max_staleness > 0 moves out)
                     sampling=SamplingConfig(max_tokens=max_tokens, seed=0),
                     max_staleness=args.max_staleness,
                 ),
