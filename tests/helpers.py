@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from composer_lightning.engines import HFEngine
+from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.models.factory import TinyLlama
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import StepContext
@@ -368,3 +369,15 @@ def end_session(proc: subprocess.Popen) -> None:
         pass
     proc.wait()
     wait_gone(proc.pid)
+
+
+class Fixed(Head):
+    """An advantage head returning given values (for checking the objective, the teacher cap
+    and gradient shares by hand)."""
+
+    def __init__(self, name: str, advantages: torch.Tensor, weight: float = 1.0):
+        super().__init__(name=name, weight=weight)
+        self.advantages = advantages
+
+    def compute(self, batch, ctx):
+        return HeadOutput(advantages=self.advantages * batch.response_mask)

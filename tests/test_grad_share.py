@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.functional.gradients import hidden_gradients
-from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.heads.base import Head
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
@@ -20,7 +20,7 @@ from composer_lightning.protocols.step import StepContext
 from composer_lightning.training.mixer import grad_norm_scales
 from composer_lightning.training.module import ComposerModule
 from composer_lightning.training.objective import Objective
-from tests.helpers import context, quiet_trainer, tiny_model
+from tests.helpers import Fixed, context, quiet_trainer, tiny_model
 
 NAMES = ("dr_grpo", "opd", "sdpo", "kl", "replay_dpo")
 
@@ -149,17 +149,6 @@ def test_the_pieces_decompose_the_mixed_objectives_gradient_on_policy():
     loss, _ = obj(batch, ctx, weights)
     whole = _flat(torch.autograd.grad(loss, ctx.policy_states()), ctx.policy_states())
     torch.testing.assert_close(sum(parts.values()), whole, rtol=0, atol=1e-10)
-
-
-class Fixed(Head):
-    """An advantage head returning given values."""
-
-    def __init__(self, name: str, advantages: torch.Tensor, weight: float = 1.0):
-        super().__init__(name=name, weight=weight)
-        self.advantages = advantages
-
-    def compute(self, batch, ctx):
-        return HeadOutput(advantages=self.advantages * batch.response_mask)
 
 
 def _linear_case(ratio_one: bool):

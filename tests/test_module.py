@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.functional import logprobs_from_logits
-from composer_lightning.heads.base import Head, HeadOutput
+from composer_lightning.heads.base import Head
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.kl import KLHead
 from composer_lightning.heads.opd import OPDHead
@@ -25,6 +25,7 @@ from composer_lightning.protocols.step import StepContext
 from composer_lightning.training.module import ComposerModule
 from composer_lightning.training.objective import Objective
 from tests.helpers import (
+    Fixed,
     ScriptedTeacher,
     context,
     full_logits,
@@ -176,15 +177,6 @@ def test_dispatch_flags_zero_each_signal_exactly_with_groups():
 
 
 # ---------------------------------------------------------------- the objective, by hand
-class Fixed(Head):
-    """An advantage head returning given values (for checking the objective by hand)."""
-
-    def __init__(self, name: str, advantages: torch.Tensor, weight: float = 1.0):
-        super().__init__(name=name, weight=weight)
-        self.advantages = advantages
-
-    def compute(self, batch, ctx):
-        return HeadOutput(advantages=self.advantages * batch.response_mask)
 
 
 def _ctx(logprobs, old, mask, aggregation="token_mean"):

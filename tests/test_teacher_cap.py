@@ -11,25 +11,13 @@ from torch.utils.data import DataLoader
 
 from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.functional.gradients import hidden_gradients
-from composer_lightning.heads.base import Head, HeadOutput
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
 from composer_lightning.protocols.step import StepContext
 from composer_lightning.training.mixer import teacher_cap_scales
 from composer_lightning.training.module import ComposerModule
 from composer_lightning.training.objective import Objective
-from tests.helpers import quiet_trainer, tiny_model
-
-
-class Fixed(Head):
-    """An advantage head returning given values."""
-
-    def __init__(self, name: str, advantages: torch.Tensor, weight: float = 1.0):
-        super().__init__(name=name, weight=weight)
-        self.advantages = advantages
-
-    def compute(self, batch, ctx):
-        return HeadOutput(advantages=self.advantages * batch.response_mask)
+from tests.helpers import Fixed, quiet_trainer, tiny_model
 
 
 class FixedTeacher(Fixed):
