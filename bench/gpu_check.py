@@ -115,7 +115,7 @@ class Report(L.Callback):
         m = trainer.callback_metrics
         self.gaps.append(float(m.get("rollout/logprob_gap_mean", float("nan"))))
         self.tok_s.append(float(m.get("rollout/tokens_per_s", float("nan"))))
-        rb = batch["rollout"]
+        rb = batch.rollout
         # per parameter: forward + backward (6) + the checkpointed layers' second forward (2) +
         # the reference forward (2) on the student tokens; the teacher forward (2) on its own
         self.flop_tokens.append(

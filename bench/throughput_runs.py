@@ -168,7 +168,7 @@ def ours(
             timers.start_step()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            tokens.append(float(batch["rollout"].response_mask.sum()))
+            tokens.append(float(batch.rollout.response_mask.sum()))
             engine_gen.append(float(trainer.callback_metrics.get("rollout/gen_time", 0.0)))
 
     if k is None:
@@ -245,7 +245,7 @@ def generation(path: str, steps: int, max_tokens: int, threads: int, record: str
         engine.load_weights(iter_hf_weights(policy), version=step)
         engine.weight_fingerprint()
         reloads.append(time.perf_counter() - starts[-1])
-        prompts = data.prompt_batch(step)["prompt_ids"]
+        prompts = data.prompt_batch(step).prompt_ids
         outs = generate_on_rank(engine, prompts, sampling, step, 0, 4)
         tokens.append(sum(len(c.token_ids) for row in outs for c in row))
         recorded.append([[asdict(c) for c in row] for row in outs])

@@ -59,7 +59,7 @@ class _Steps(L.Callback):
         self.seen = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        rb = batch["rollout"]
+        rb = batch.rollout
         self.seen.append((rb.batch_size, len(set(rb.episode_ids.tolist())), rb.has_teacher.sum()))
 
 

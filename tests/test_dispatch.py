@@ -6,8 +6,9 @@ from transformers import AutoTokenizer
 from composer_lightning.chat import tokenize_prompt
 from composer_lightning.engines.base import Completion
 from composer_lightning.models.tiny import tiny_policy_path
+from composer_lightning.protocols.prompts import PromptBatch
+from composer_lightning.rollout.dispatch import RolloutPlan, dispatch
 from composer_lightning.rollout.dispatch import build_rollout as _build
-from composer_lightning.rollout.dispatch import dispatch
 from composer_lightning.rollout.episodes import one_turn_episodes
 from composer_lightning.rollout.providers import provider_values
 from composer_lightning.tasks import HintProvider, ScoreProvider, VerifierScore
@@ -35,10 +36,10 @@ def test_dispatch_keeps_samples_with_a_score_or_a_hint_and_counts_each_path():
     )
 
 
-def build_rollout(batch, outs, tokenizer, *args, **kwargs):
+def build_rollout(batch, outs, plan):
     """`dispatch.build_rollout` of single-turn completions (one-turn episodes)."""
-    episodes = one_turn_episodes(batch["problems"], batch["prompt_ids"], outs, tokenizer)
-    return _build(batch, episodes, tokenizer, *args, **kwargs)
+    episodes = one_turn_episodes(batch.problems, batch.prompt_ids, outs, plan.tokenizer)
+    return _build(batch, episodes, plan)
 
 
 class _RaisingHints(HintProvider):
@@ -74,15 +75,13 @@ def test_a_provider_that_raises_or_returns_bad_values_fails_its_samples_and_is_c
 def test_a_raising_hint_provider_leaves_the_batch_to_its_rewards_with_one_summary_line(caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy_path())
     problems = [{"task": "arithmetic", "prompt": "1+1=", "answer": 2}] * 2
-    batch = {
-        "index": 0,
-        "problems": problems,
-        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
-    }
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
     outs = [[Completion(tokenizer.encode("2"), [-0.5], "length")] * 2] * 2
     with caplog.at_level("WARNING"):
         rollout, metrics, _ = build_rollout(
-            batch, outs, tokenizer, 4, VerifierScore(), _RaisingHints(), "user", 2, 0
+            batch,
+            outs,
+            RolloutPlan(tokenizer, 4, VerifierScore(), hint=_RaisingHints(), hint_role="user"),
         )
     local = metrics.local()
     assert local["rollout/hint_failures"] == 4 and local["dispatch/rl_only"] == 4
@@ -97,7 +96,7 @@ def test_masked_truncated_completions_keep_their_reward_but_no_loss_token():
     has no response token, while its reward stays in the batch for the group baseline."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy_path())
     problem = {"messages": [{"role": "user", "content": "1+1="}], "task": "arithmetic", "answer": 2}
-    batch = {"index": 0, "problems": [problem], "prompt_ids": [tokenize_prompt(tokenizer, problem)]}
+    batch = PromptBatch(0, [problem], [tokenize_prompt(tokenizer, problem)])
     eos = tokenizer.eos_token_id
     outs = [
         [
@@ -105,9 +104,13 @@ def test_masked_truncated_completions_keep_their_reward_but_no_loss_token():
             Completion(tokenizer.encode("3") + tokenizer.encode("3"), [-0.5, -0.2], "length"),
         ]
     ]
-    plain, _, _ = build_rollout(batch, outs, tokenizer, 2, VerifierScore(), None, "user", 2, 0)
+    plain, _, _ = build_rollout(
+        batch, outs, RolloutPlan(tokenizer, 2, VerifierScore(), hint_role="user")
+    )
     masked, metrics, _ = build_rollout(
-        batch, outs, tokenizer, 2, VerifierScore(), None, "user", 2, 0, mask_truncated=True
+        batch,
+        outs,
+        RolloutPlan(tokenizer, 2, VerifierScore(), hint_role="user", mask_truncated=True),
     )
     assert metrics.local()["rollout/masked_truncated"] == 1.0
     assert plain.response_mask[1].any() and not masked.response_mask[1].any()
@@ -129,15 +132,15 @@ def test_candidate_hints_become_teacher_contexts_shortest_first_and_the_first_is
         {"messages": [{"role": "user", "content": f"{i}+1="}], "task": "arithmetic", "answer": 9}
         for i in range(3)
     ]
-    batch = {
-        "index": 0,
-        "problems": problems,
-        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
-    }
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
     response = tokenizer.encode("7")
     outs = [[Completion(response, [-0.5], "stop")] for _ in problems]
     rb, metrics, rows = build_rollout(
-        batch, outs, tokenizer, 4, VerifierScore(), _Candidates(), "user", 1, 3
+        batch,
+        outs,
+        RolloutPlan(
+            tokenizer, 4, VerifierScore(), hint=_Candidates(), hint_role="user", samples_per_step=3
+        ),
     )
     assert rb.has_candidate.tolist() == [[True, True], [True, False], [False, False]]
     assert rb.has_teacher.tolist() == [True, True, False]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.envs import Observation, SingleTurn
 from composer_lightning.functional import episode_advantages, grpo_advantages
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.rollout.dispatch import build_rollout
+from composer_lightning.protocols.prompts import PromptBatch
+from composer_lightning.rollout.dispatch import RolloutPlan, build_rollout
 from composer_lightning.rollout.episodes import run_episodes
 from composer_lightning.tasks import ScoringError, ToolErrorHint, VerifierScore
 
@@ -194,15 +196,9 @@ def test_an_opening_without_room_fails_its_own_episodes_and_the_batch_goes_on():
         f"max_episode_tokens {len(ids[1])}"
     )
     rollout, metrics, _ = build_rollout(
-        {"prompt_ids": ids, "problems": problems, "index": 0},
+        PromptBatch(0, problems, ids),
         [ok, full],
-        TOK,
-        16,
-        VerifierScore(),
-        None,
-        "user",
-        2,
-        0,
+        RolloutPlan(TOK, 16, VerifierScore(), hint_role="user"),
     )
     assert rollout.input_ids.shape[0] == 2  # the two episodes that ran; the others dropped
 
@@ -246,7 +242,7 @@ def test_a_broken_environment_fails_its_episode_with_one_warning(env, why, caplo
 
 
 def _batch(eps):
-    return {"index": 0, "problems": [PROBLEM], "prompt_ids": [eps[0].turns[0].context_ids]}
+    return PromptBatch(0, [PROBLEM], [eps[0].turns[0].context_ids])
 
 
 def test_turns_are_rows_with_the_episode_reward_and_their_own_hint():
@@ -261,7 +257,11 @@ def test_turns_are_rows_with_the_episode_reward_and_their_own_hint():
         max_turns=3,
     )
     rb, metrics, rows = build_rollout(
-        _batch(eps[0]), eps, TOK, 16, VerifierScore(), ToolErrorHint(), "user", 2, 1
+        _batch(eps[0]),
+        eps,
+        RolloutPlan(
+            TOK, 16, VerifierScore(), hint=ToolErrorHint(), hint_role="user", samples_per_step=1
+        ),
     )
     assert rb.batch_size == 5  # 3 + 2 turns: every turn is a row
     assert rb.rewards.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]  # the outcome, on every turn
@@ -302,15 +302,9 @@ def test_a_batch_whose_every_episode_failed_stops_with_one_error():
     eps = [_run([["CALL good"]], env=Raising, group=2, max_turns=2)]
     with pytest.raises(ScoringError, match="every episode of rollout batch 0 failed"):
         build_rollout(
-            {"index": 0, "problems": [PROBLEM], "prompt_ids": [[1]]},
+            PromptBatch(0, [PROBLEM], [[1]]),
             eps,
-            TOK,
-            16,
-            VerifierScore(),
-            None,
-            "user",
-            2,
-            0,
+            RolloutPlan(TOK, 16, VerifierScore(), hint_role="user"),
         )
 
 
@@ -386,7 +380,11 @@ def test_a_turn_score_rewards_each_turn_with_a_next_state_as_its_own_sample():
         max_turns=3,
     )
     rb, _, rows = build_rollout(
-        _batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 1, 1, turn_score=_TurnScore()
+        _batch(eps[0]),
+        eps,
+        RolloutPlan(
+            TOK, 16, VerifierScore(), hint_role="user", samples_per_step=1, turn_score=_TurnScore()
+        ),
     )
     assert rb.rewards.tolist() == [-1.0, 1.0, 1.0]  # the error turn, the call, the outcome
     ids = rb.episode_ids.tolist()
@@ -415,7 +413,11 @@ def test_with_a_turn_score_an_episode_cut_at_max_turns_keeps_its_outcome_on_the_
     assert solved.status == "done" and looping.status == "max_turns"
     assert looping.turns[-1].has_next_state
     rb, _, _ = build_rollout(
-        _batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1, turn_score=_TurnScore()
+        _batch(eps[0]),
+        eps,
+        RolloutPlan(
+            TOK, 16, VerifierScore(), hint_role="user", samples_per_step=1, turn_score=_TurnScore()
+        ),
     )
     assert rb.rewards.tolist() == [1.0, 1.0, 0.0]  # solved; looping's call, then its outcome
     ids = rb.episode_ids.tolist()
@@ -482,10 +484,10 @@ def test_a_truncation_penalty_makes_running_out_of_tokens_cost_where_every_outco
     the answered one keeps 0."""
     eps = [_run([["CALL good", "4"], ["CALL bad", "CALL good" * 10]], group=2, max_turns=3)]
     assert [ep.status for ep in eps[0]] == ["done", "truncated"]
-    args = (_batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1)
-    plain, _, _ = build_rollout(*args)
+    plan = RolloutPlan(TOK, 16, VerifierScore(), samples_per_step=1)
+    plain, _, _ = build_rollout(_batch(eps[0]), eps, plan)
     assert plain.rewards.tolist() == [0.0, 0.0, 0.0, 0.0]
-    penalised, _, _ = build_rollout(*args, truncation_penalty=0.5)
+    penalised, _, _ = build_rollout(_batch(eps[0]), eps, replace(plan, truncation_penalty=0.5))
     assert penalised.rewards.tolist() == [0.0, 0.0, -0.5, -0.5]
     assert penalised.episode_ids.tolist() == [0, 0, 1, 1]
 
@@ -509,7 +511,9 @@ def test_the_share_of_tool_episodes_without_a_call_is_a_step_metric():
     def rate(env):
         eps = [_run([["CALL good", "5"], ["5"]], env=env, group=2, max_turns=3)]
         _, metrics, _ = build_rollout(
-            _batch(eps[0]), eps, TOK, 16, VerifierScore(), None, "user", 2, 1
+            _batch(eps[0]),
+            eps,
+            RolloutPlan(TOK, 16, VerifierScore(), hint_role="user", samples_per_step=1),
         )
         return metrics.local().get("episode/no_call_rate")
 

@@ -78,7 +78,7 @@ class _Batches(L.Callback):
         self.rows, self.metrics = [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        rb = batch["rollout"]
+        rb = batch.rollout
         self.rows.append(
             (rb.input_ids.tolist(), rb.response_mask.tolist(), rb.engine_logprobs.clone())
         )
@@ -137,7 +137,7 @@ class _WaitForOtherEpisodes(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step:
             return
-        mine = {_question(p) for p in batch["problems"]}
+        mine = {_question(p) for p in batch.problems}
         with CountingToolCalc.stepped:
             self.stepped_meanwhile = CountingToolCalc.stepped.wait_for(
                 lambda: any(q not in mine for q in CountingToolCalc.stepped_on),

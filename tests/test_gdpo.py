@@ -36,7 +36,7 @@ class Batches(L.Callback):
         self.seen = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.seen.append(batch["rollout"])
+        self.seen.append(batch.rollout)
 
 
 def _context(dtype: torch.dtype) -> StepContext:

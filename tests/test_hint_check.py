@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 from composer_lightning.chat import single_turn_teacher, tokenize_prompt
 from composer_lightning.engines.base import SamplingConfig
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.rollout.dispatch import build_rollout
+from composer_lightning.protocols.prompts import PromptBatch
+from composer_lightning.rollout.dispatch import RolloutPlan, build_rollout
 from composer_lightning.rollout.episodes import one_turn_episodes
 from composer_lightning.rollout.hint_check import HintCheck, hint_line, placebo_hints
 from composer_lightning.tasks import VerifierScore
@@ -66,18 +67,16 @@ def test_a_group_keeps_its_teacher_only_where_the_hinted_teacher_knows_better(to
     """Group 0: teacher right, student wrong (trusted). Group 1: both right. Group 2: teacher
     wrong, student right. Group 3: a tool turn, unscored (not trusted: it cannot be checked)."""
     problems = PROBLEMS
-    batch = {
-        "index": 0,
-        "problems": problems,
-        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
-    }
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
     outs = [[_reply(tokenizer, "9"), _reply(tokenizer, "9")] for _ in problems]  # all wrong
-    episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
+    episodes = one_turn_episodes(problems, batch.prompt_ids, outs, tokenizer)
     for ep in episodes[3]:  # a turn with a next state has no score of its own
         ep.turns[0].next_state = _NextState()
     check, engine = _check(tokenizer, ["2", "7", "5", "x"], ["3", "7", "6", "x"])
     rollout, metrics, _ = build_rollout(
-        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 2, 0, check=check
+        batch,
+        episodes,
+        RolloutPlan(tokenizer, 4, VerifierScore(), hint=_Hint(), hint_role="user", check=check),
     )
     ((prompts, n, used),) = engine.calls
     hints = [f"The answer is {p['answer']}." for p in problems]
@@ -85,7 +84,7 @@ def test_a_group_keeps_its_teacher_only_where_the_hinted_teacher_knows_better(to
         single_turn_teacher(tokenizer, [{"role": "user", "content": p["prompt"]}], [], h, "user")
         for p, h in zip(problems, hints, strict=True)
     ]
-    assert prompts == [t.teacher_ids for t in teacher] + batch["prompt_ids"]
+    assert prompts == [t.teacher_ids for t in teacher] + batch.prompt_ids
     assert n == 1 and used.temperature == 0.0 and used.max_tokens == 4  # greedy, same length
     # only group 0's rows read the teacher; the others are RL-only (they all have a reward)
     assert rollout.has_teacher.tolist() == [True, True] + [False] * 6
@@ -105,16 +104,14 @@ class _NextState:
 
 def test_always_uses_every_hint_and_still_measures(tokenizer):
     problems = PROBLEMS[:2]
-    batch = {
-        "index": 0,
-        "problems": problems,
-        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
-    }
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
     outs = [[_reply(tokenizer, "9")] for _ in problems]
-    episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
+    episodes = one_turn_episodes(problems, batch.prompt_ids, outs, tokenizer)
     check, _ = _check(tokenizer, ["5", "5"], ["2", "5"], trust="always")
     rollout, metrics, _ = build_rollout(
-        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 1, 0, check=check
+        batch,
+        episodes,
+        RolloutPlan(tokenizer, 4, VerifierScore(), hint=_Hint(), hint_role="user", check=check),
     )
     assert rollout.has_teacher.all()
     local = metrics.local()
@@ -123,15 +120,21 @@ def test_always_uses_every_hint_and_still_measures(tokenizer):
 
 def test_the_placebo_teacher_reads_another_problems_hint(tokenizer):
     problems = PROBLEMS[:2]
-    batch = {
-        "index": 0,
-        "problems": problems,
-        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
-    }
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
     outs = [[_reply(tokenizer, "9")] for _ in problems]
-    episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
+    episodes = one_turn_episodes(problems, batch.prompt_ids, outs, tokenizer)
     rollout, _, rows = build_rollout(
-        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 1, 2, placebo_seed=0
+        batch,
+        episodes,
+        RolloutPlan(
+            tokenizer,
+            4,
+            VerifierScore(),
+            hint=_Hint(),
+            hint_role="user",
+            samples_per_step=2,
+            placebo_seed=0,
+        ),
     )
     swapped = [
         single_turn_teacher(

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 from composer_lightning.chat import single_turn_teacher, tokenize_prompt
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.models.tiny import tiny_policy_path
-from composer_lightning.rollout.dispatch import build_rollout
+from composer_lightning.protocols.prompts import PromptBatch
+from composer_lightning.rollout.dispatch import RolloutPlan, build_rollout
 from composer_lightning.rollout.episodes import one_turn_episodes
 from composer_lightning.rollout.hinted import (
     HintedReplies,
@@ -122,22 +123,15 @@ def test_build_rollout_samples_hinted_replies_without_teacher_contexts(tokenizer
         {"task": "arithmetic", "prompt": "1+1=", "answer": 2},
         {"task": "arithmetic", "prompt": "2+5=", "answer": 7},
     ]
-    batch = {
-        "index": 3,
-        "problems": problems,
-        "prompt_ids": [tokenize_prompt(tokenizer, p) for p in problems],
-    }
+    batch = PromptBatch(3, problems, [tokenize_prompt(tokenizer, p) for p in problems])
     outs = [
         [_reply(tokenizer, "2"), _reply(tokenizer, "3")],  # the second is wrong: hinted
         [_reply(tokenizer, "1"), _reply(tokenizer, "4")],  # both wrong: hinted
     ]
-    episodes = one_turn_episodes(problems, batch["prompt_ids"], outs, tokenizer)
+    episodes = one_turn_episodes(problems, batch.prompt_ids, outs, tokenizer)
     engine = _Engine([_reply(tokenizer, "2"), _reply(tokenizer, "7"), _reply(tokenizer, "5")])
     sampler = HintedSampler(HintedReplies(per_group=2), engine, SamplingConfig(seed=1))
-    rollout, metrics, rows = build_rollout(
-        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 2, 2,
-        teacher=False, hinted=sampler,
-    )  # fmt: skip
+    rollout, metrics, rows = build_rollout(batch, episodes, RolloutPlan(tokenizer, 4, VerifierScore(), hint=_Hint(), hint_role="user", samples_per_step=2, teacher=False, hinted=sampler))  # fmt: skip
     # each group's sample row shows its first hinted reply and that reply's score
     assert [(r["hinted_reply"], r["hinted_reward"]) for r in rows] == [("2", 1.0), ("7", 1.0)]
     assert not rollout.has_teacher.any()
@@ -152,13 +146,15 @@ def test_build_rollout_samples_hinted_replies_without_teacher_contexts(tokenizer
     assert hinted.group_ids.tolist() == [6, 7, 7] and rollout.group_ids.tolist() == [6, 6, 7, 7]
     assert hinted.rewards.tolist() == [1.0, 1.0, 0.0] and hinted.has_reward.all()
     assert torch.equal(
-        hinted.input_ids[1, : len(batch["prompt_ids"][1])], torch.tensor(batch["prompt_ids"][1])
+        hinted.input_ids[1, : len(batch.prompt_ids[1])], torch.tensor(batch.prompt_ids[1])
     )
     assert metrics.local()["hinted/replies"] == 3
     # with a teacher read too, the same hints also make the rows' teacher contexts
     engine.replies = [_reply(tokenizer, "2")] * 3
     both, _, _ = build_rollout(
-        batch, episodes, tokenizer, 4, VerifierScore(), _Hint(), "user", 2, 0, hinted=sampler
+        batch,
+        episodes,
+        RolloutPlan(tokenizer, 4, VerifierScore(), hint=_Hint(), hint_role="user", hinted=sampler),
     )
     assert both.has_teacher.tolist() == [False, True, True, True] and both.hinted.batch_size == 3
 

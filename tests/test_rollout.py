@@ -45,7 +45,7 @@ class Watch(L.Callback):
         same = all(
             torch.equal(p, self.engine._params[n]) for n, p in module.policy.named_parameters()
         )
-        self.seen.append((batch_idx, batch["rollout"].policy_version, module.policy_version, same))
+        self.seen.append((batch_idx, batch.rollout.policy_version, module.policy_version, same))
 
 
 def _callback(**kw):
@@ -183,7 +183,7 @@ def test_prompt_stream_is_sharded_deterministic_and_resumable(tmp_path):
     dm.trainer = FakeTrainer(0)
     assert [p["prompt"] for p in dm.problems(1)] == seen[0][3:6]  # random access = resumable
     batch = dm.prompt_batch(0)
-    assert batch["problems"][0]["task"] == "arithmetic" and all(batch["prompt_ids"])
+    assert batch.problems[0]["task"] == "arithmetic" and all(batch.prompt_ids)
     dm.consumed = 7
     other = RolloutDataModule(tokenizer=POLICY, prompt_file=str(f), prompts_per_step=3)
     other.load_state_dict(dm.state_dict())

@@ -42,7 +42,7 @@ class Batches(L.Callback):
         self.shaped = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.shaped.append(batch["rollout"].sampler_shaped)
+        self.shaped.append(batch.rollout.sampler_shaped)
 
 
 def _fit(sampling: SamplingConfig, steps: int = 2, engine_cls=Recording, **dm_kw):

@@ -25,6 +25,7 @@ from composer_lightning.datamodules.prompts import (
     truncate_left,
 )
 from composer_lightning.models.hub import TOKENIZER_FILE, resolve_model
+from composer_lightning.protocols.prompts import PromptBatch
 from composer_lightning.rollout.validation import is_heldout, problem_key
 from composer_lightning.runtime.distributed import data_parallel
 from composer_lightning.runtime.resume import Differences
@@ -41,7 +42,7 @@ class PromptStream(IterableDataset):
     def __init__(self, datamodule: RolloutDataModule, start: int):
         self.dm, self.start = datamodule, start
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[PromptBatch]:
         i = self.start
         while True:
             yield self.dm.prompt_batch(i)
@@ -252,11 +253,7 @@ class RolloutDataModule(L.LightningDataModule):
             return []
         P = self.prompts_per_step
         batches = [
-            {
-                "index": -1,
-                "problems": part,
-                "prompt_ids": [self.prompt_ids(p) for p in part],
-            }
+            PromptBatch(-1, part, [self.prompt_ids(p) for p in part])
             for part in (mine[i : i + P] for i in range(0, len(mine), P))
         ]
         return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)  # type: ignore[arg-type]  # any sequence
@@ -270,14 +267,14 @@ class RolloutDataModule(L.LightningDataModule):
                 yield where, self.prompt_ids(problem)
             return
         batch = self.setup_batch()
-        for j, ids in enumerate(batch["prompt_ids"]):
-            yield f"{j} of rollout batch {batch['index']} (task {self.task_name})", ids
+        for j, ids in enumerate(batch.prompt_ids):
+            yield f"{j} of rollout batch {batch.index} (task {self.task_name})", ids
 
-    def setup_batch(self) -> dict[str, Any]:
+    def setup_batch(self) -> PromptBatch:
         """The next prompt batch, drawn once for the checks before training (the prompts'
         lengths, the rows' task): a task may draw differently on a second call."""
         cached = getattr(self, "_setup_batch", None)
-        if cached is None or cached["index"] != self.consumed:
+        if cached is None or cached.index != self.consumed:
             cached = self._setup_batch = self.prompt_batch(self.consumed)
         return cached
 
@@ -293,13 +290,10 @@ class RolloutDataModule(L.LightningDataModule):
             return []
         return truncate_left(tokenize_prompt(self.tokenizer, problem), self.max_prompt_length)
 
-    def prompt_batch(self, index: int) -> dict[str, Any]:
+    def prompt_batch(self, index: int) -> PromptBatch:
+        """The `index`-th prompt batch of the stream."""
         problems = self.problems(index)
-        return {
-            "index": index,
-            "problems": problems,
-            "prompt_ids": [self.prompt_ids(p) for p in problems],
-        }
+        return PromptBatch(index, problems, [self.prompt_ids(p) for p in problems])
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(

@@ -196,7 +196,7 @@ def check_task_rows(dm: Any) -> None:
     task = getattr(dm, "task", None)
     if task is None or not callable(getattr(dm, "setup_batch", None)):
         return
-    for problem in dm.setup_batch()["problems"]:
+    for problem in dm.setup_batch().problems:
         name = problem.get("task")
         if name is None or name == dm.task_name:
             continue

@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from composer_lightning.chat import TraceSample, single_turn_teacher
-from composer_lightning.engines.base import Completion
 from composer_lightning.protocols.batch import RolloutBatch
-from composer_lightning.rollout.episodes import Episode, Turn
+from composer_lightning.protocols.prompts import PromptBatch
+from composer_lightning.rollout.episodes import Episode
 from composer_lightning.rollout.hint_check import HintCheck, checked_hints
 from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import provider_components, provider_logs, provider_values
+from composer_lightning.rollout.rollout_metrics import Failures, episode_metrics, rollout_metrics
 from composer_lightning.rollout.sample_rows import first_of_groups, sample_row, signal_of
-from composer_lightning.runtime.calls import hint_candidates
+from composer_lightning.rollout.turns import TurnRef, live_turns, turn_sample
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.tasks.base import HintProvider, ScoreProvider, ScoringError
 
@@ -47,75 +48,67 @@ def dispatch(has_reward: list[bool], has_teacher: list[bool]) -> tuple[list[int]
     return keep, counts
 
 
-def rollout_sample(
-    tokenizer: Any,
-    context: list[dict[str, Any]],
-    prompt: list[int],
-    c: Completion,
-    hint: str | list[str] | None,
-    hint_role: str,
-    tools: list[dict[str, Any]] | None = None,
-) -> TraceSample:
-    """One assistant turn as a tokenised sample: `prompt` (the ids before it: a single-turn
-    prompt, or turn t's whole context) ⊕ the turn's ids, the turn's tokens carrying loss, and
-    the hinted teacher context (`context` with the hint spliced right before the turn): the
-    (first) hint's, and with a hint every candidate's, shortest hint first."""
-    ids = list(prompt) + list(c.token_ids)
-    response = [False] * len(prompt) + [True] * len(c.token_ids)
-    hints = hint_candidates(hint)
-    if not hints:
-        return TraceSample(ids, response, None, [-1] * len(ids), [False] * len(ids), None)
-    contexts = {
-        h: single_turn_teacher(tokenizer, context, c.token_ids, h, hint_role, tools) for h in hints
-    }
-    by_length = sorted(hints, key=lambda h: len(contexts[h].teacher_ids))  # stable: ties in order
-    teacher = contexts[hints[0]]
-    return TraceSample(
-        ids,
-        response,
-        teacher.teacher_ids,
-        teacher.positions(len(prompt), len(ids)),
-        response,
-        None,
-        [
-            (contexts[h].teacher_ids, contexts[h].positions(len(prompt), len(ids)))
-            for h in by_length
-        ],
-    )
+@dataclass(frozen=True)
+class RolloutPlan:
+    """How a rollout batch is built from its episodes (the rollout callback's settings).
+
+    Attributes:
+        tokenizer: the policy's tokenizer.
+        max_tokens: the longest reply, in tokens (the packed batch's response width).
+        score: the score provider (each episode's outcome, unless its environment gave one).
+        hint: the hint provider (None: no hints).
+        hint_role: where the hint goes in the teacher context (`chat.teacher`).
+        samples_per_step: sample rows returned, one per problem.
+        mask_truncated: TRL's `mask_truncated_completions`: an episode that ran out of tokens
+            keeps its reward in its group's statistics but has no token in any loss.
+        turn_score: rewards each turn with a next state on its own (e.g.
+            `NextStateJudgeScore`); None: every turn gets its episode's outcome.
+        truncation_penalty: p > 0: an episode that ran out of tokens scores its score minus
+            p (−p when it has none).
+        teacher: a head reads a teacher (else the hints only seed hinted replies).
+        hinted: samples hinted replies (`hinted.py`); None: none.
+        check: trusts the teacher only where it knows better (`hint_check.py`); None: always.
+        placebo_seed: gives every turn another problem's hint (`hint_check.placebo_hints`).
+    """
+
+    tokenizer: Any
+    max_tokens: int
+    score: ScoreProvider
+    hint: HintProvider | None = None
+    hint_role: str = "user"
+    samples_per_step: int = 0
+    mask_truncated: bool = False
+    turn_score: ScoreProvider | None = None
+    truncation_penalty: float = 0.0
+    teacher: bool = True
+    hinted: HintedSampler | None = None
+    check: HintCheck | None = None
+    placebo_seed: int | None = None
 
 
-def turn_problem(problem: dict[str, Any], turn: Turn, index: int) -> dict[str, Any]:
-    """What a score or hint provider sees of an episode's turn `index` that has a next state:
-    the problem's fields, with `messages` = the turn's context (the chat before it), plus
-    `next_state` (the messages that followed the turn), `tool_error` (the tool's error of the
-    turn, or None) and `turn` (its index). The completion passed beside it is the turn's text."""
-    obs = turn.next_state
-    return {
-        **problem,
-        "messages": turn.context,
-        "next_state": list(obs.messages) if obs is not None else [],
-        "tool_error": obs.tool_error if obs is not None else None,
-        "turn": index,
-    }
+@dataclass
+class Outcomes:
+    """Each live episode's outcome and what the score provider said beside it.
+
+    Attributes:
+        rewards: per live episode (None: no usable score).
+        asked: the live episodes whose outcome the score provider gave (the others had their
+            environment's), in the order of its calls.
+        parts: each reward function's own values and weights (GDPO), or None.
+        logged: the reward functions' metrics, `name -> (value, weight)`.
+        extras: their per-episode columns, by live episode.
+    """
+
+    rewards: list[float | None]
+    asked: list[int]
+    failures: int
+    parts: Any
+    logged: dict[str, tuple[float, float]]
+    extras: dict[int, dict[str, Any]]
 
 
 def build_rollout(
-    batch: dict[str, Any],
-    episodes: list[list[Episode]],
-    tokenizer: Any,
-    max_tokens: int,
-    score: ScoreProvider,
-    hint: HintProvider | None,
-    hint_role: str,
-    group_size: int,
-    samples_per_step: int,
-    mask_truncated: bool = False,
-    turn_score: ScoreProvider | None = None,
-    truncation_penalty: float = 0.0,
-    teacher: bool = True,
-    hinted: HintedSampler | None = None,
-    check: HintCheck | None = None,
-    placebo_seed: int | None = None,
+    batch: PromptBatch, episodes: list[list[Episode]], plan: RolloutPlan
 ) -> tuple[RolloutBatch, StepMetrics, list[dict[str, Any]]]:
     """Score, hint, dispatch and pack the turns of one prompt batch's episodes.
 
@@ -128,25 +121,20 @@ def build_rollout(
       (`turn_problem`: its context and next state, its text), the final turn as (problem, its
       text) like a single-turn completion. The teacher context of turn t is turn t's context
       with the hint spliced in, so OPD and SDPO act on turn t's tokens.
-    - With `turn_score` (e.g. `NextStateJudgeScore`, OpenClaw-RL's PRM on `(a_t, s_{t+1})`),
-      a turn with a next state is rewarded by it instead, as a sample of its own in its
-      group's baseline (its own `episode_ids` entry); the final turn keeps the outcome, also
-      when it has a next state (an episode cut at `max_turns`), so an episode that only calls
-      tools until `max_turns` never ties with one that solved the task.
+    - With `plan.turn_score` (e.g. `NextStateJudgeScore`, OpenClaw-RL's PRM on
+      `(a_t, s_{t+1})`), a turn with a next state is rewarded by it instead, as a sample of its
+      own in its group's baseline (its own `episode_ids` entry); the final turn keeps the
+      outcome, also when it has a next state (an episode cut at `max_turns`), so an episode
+      that only calls tools until `max_turns` never ties with one that solved the task.
     - The four-way dispatch is per turn: a turn with neither a reward nor a hint is dropped.
     A failed episode (an environment error) is dropped whole and counted.
 
-    With `mask_truncated` (TRL's `mask_truncated_completions`), an episode that ran out of
-    tokens keeps its reward in its group's statistics but has no token in any loss. With
-    `truncation_penalty` p > 0, such an episode's outcome is its score minus p (−p when it has
-    none): running out of tokens is never free, also in a group whose every outcome is 0, where
-    nothing else would tell a cut reply from a finished one.
-
-    The hints make the rows' teacher contexts only with `teacher` (a head reads a teacher);
-    with `hinted`, the first hinted turns of each group also get a reply sampled from their
-    hinted context (`hinted.py`), as `RolloutBatch.hinted`. With `placebo_seed` every hint is
-    first replaced by another problem's (`hint_check.placebo_hints`); with `check`, a teacher
-    context is made only in the groups whose hinted teacher knows better (`hint_check.py`).
+    The hints make the rows' teacher contexts only with `plan.teacher` (a head reads a
+    teacher); with `plan.hinted`, the first hinted turns of each group also get a reply sampled
+    from their hinted context (`hinted.py`), as `RolloutBatch.hinted`. With
+    `plan.placebo_seed` every hint is first replaced by another problem's
+    (`hint_check.placebo_hints`); with `plan.check`, a teacher context is made only in the
+    groups whose hinted teacher knows better (`hint_check.py`).
 
     Returns:
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
@@ -160,237 +148,227 @@ def build_rollout(
         ScoringError: every episode failed, every score call failed, or every turn was
             dropped.
     """
-    prompts = batch["prompt_ids"]
     flat = [(i, ep) for i, group in enumerate(episodes) for ep in group]
-    failed = [ep for _, ep in flat if ep.status == "failed"]
-    if len(failed) == len(flat):
-        raise ScoringError(
-            f"every episode of rollout batch {batch['index']} failed (their errors are logged "
-            f"above; the first: {failed[0].error if failed else None})"
-        )
     live = [(i, ep) for i, ep in flat if ep.status != "failed"]
-    # the outcome of each episode: the environment's reward, else the score provider's
-    ask = [k for k, (_, ep) in enumerate(live) if ep.reward is None]
-    finals = [live[k][1].turns[-1] for k in ask]
-    outcome, failures = provider_values(
-        score,
-        "score",
-        [live[k][1].problem for k in ask],
-        [t.text for t in finals],
-        [list(t.completion.token_ids) for t in finals],
+    failures = Failures(
+        episodes=[ep for _, ep in flat if ep.status == "failed"], episode_count=len(flat)
     )
-    ScoringError.raise_if_all_failed(outcome, failures)
-    parts = provider_components(score)  # each reward function's own values (GDPO)
-    logged, extra = provider_logs(score)  # its reward functions' metrics and columns
-    extras = {ask[j]: {c: v[j] for c, v in extra.items() if j < len(v)} for j in range(len(ask))}
-    rewards: list[float | None] = [ep.reward for _, ep in live]
-    for k, value in zip(ask, outcome, strict=True):
-        rewards[k] = value
-    if truncation_penalty:
-        for k, (_, ep) in enumerate(live):
-            if ep.status == "truncated":
-                rewards[k] = (rewards[k] or 0.0) - truncation_penalty
-    # one row per turn, hinted (and with `turn_score`, scored) per turn
-    turns = [(e, t) for e, (_, ep) in enumerate(live) for t in range(len(ep.turns))]
-    hint_problems, hint_texts = [], []
-    for e, t in turns:
-        ep = live[e][1]
-        turn = ep.turns[t]
-        final = t == len(ep.turns) - 1 and not turn.has_next_state
-        hint_problems.append(ep.problem if final else turn_problem(ep.problem, turn, t))
-        hint_texts.append(turn.text)
-    row_rewards = [rewards[e] for e, _ in turns]
-    own = [False] * len(turns)  # rewarded as a sample of its own
-    if turn_score is not None:
-        scored = [  # every turn with a next state but the episode's last: that keeps the
-            # outcome (an episode cut at max_turns ends on a next state, too)
-            k
-            for k, (e, t) in enumerate(turns)
-            if live[e][1].turns[t].has_next_state and t < len(live[e][1].turns) - 1
-        ]
-        values, turn_failures = provider_values(
-            turn_score,
-            "score",
-            [hint_problems[k] for k in scored],
-            [hint_texts[k] for k in scored],
-            [list(live[turns[k][0]][1].turns[turns[k][1]].completion.token_ids) for k in scored],
+    if not live:
+        raise ScoringError(
+            f"every episode of rollout batch {batch.index} failed (their errors are logged "
+            f"above; the first: {failures.episodes[0].error if failures.episodes else None})"
         )
-        failures += turn_failures
-        for k, value in zip(scored, values, strict=True):
-            row_rewards[k], own[k] = value, True
-        turn_logged, _ = provider_logs(turn_score)
-        logged |= {f"turn_{name}": value for name, value in turn_logged.items()}
-    hints, hint_failures = (
-        provider_values(hint, "hint", hint_problems, hint_texts)
-        if hint is not None
-        else ([None] * len(turns), 0)
+    out = outcomes(plan.score, [ep for _, ep in live], plan.truncation_penalty)
+    refs = live_turns(live)
+    problems = [ref.provider_problem() for ref in refs]
+    texts = [ref.turn.text for ref in refs]
+    row_rewards, own, turn_failures, turn_logged = turn_rewards(
+        plan.turn_score, refs, problems, texts, [out.rewards[ref.live] for ref in refs]
     )
-    groups = [int(batch["index"]) * len(prompts) + live[e][0] for e, _ in turns]
-    episodes_of = [(live[e][1], t) for e, t in turns]
+    failures.score, failures.asked = out.failures + turn_failures, len(out.asked)
+    hints, failures.hint = (
+        provider_values(plan.hint, "hint", problems, texts)
+        if plan.hint is not None
+        else ([None] * len(refs), 0)
+    )
+    failures.turns = len(refs)
+    groups = [batch.group_of(ref.problem) for ref in refs]
+    pairs = [ref.pair for ref in refs]
     hints, row_hints, check_metrics = checked_hints(
-        check, placebo_seed, tokenizer, episodes_of, groups, hints, hint_role, score, teacher
+        plan.check,
+        plan.placebo_seed,
+        plan.tokenizer,
+        pairs,
+        groups,
+        hints,
+        plan.hint_role,
+        plan.score,
+        plan.teacher,
     )
     keep, counts = dispatch(
         [r is not None for r in row_rewards], [h is not None for h in row_hints]
     )
     if not keep:
-        gated = any(hints) and not any(row_hints)
-        raise ScoringError(
-            f"no sample of rollout batch {batch['index']} has a usable score or an accepted "
-            "hint: every sample was dropped"
-            + (
-                " (the hint check trusted no hint: rollout.hint_trust: always uses them unchecked)"
-                if gated and check is not None
-                else ""
-            )
-        )
-    samples, kept = [], [turns[k] for k in keep]
-    for k, (e, t) in zip(keep, kept, strict=True):
-        ep = live[e][1]
-        turn = ep.turns[t]
-        samples.append(
-            rollout_sample(
-                tokenizer,
-                turn.context,
-                turn.context_ids,
-                turn.completion,
-                row_hints[k],
-                hint_role,
-                ep.tools,
-            )
-        )
-    P = len(prompts)
-    episode_index = {id(ep): n for n, (_, ep) in enumerate(flat)}
+        raise _all_dropped(batch, plan, hints, row_hints)
     rollout = pack_samples(
-        samples,
+        [turn_sample(refs[k], plan.tokenizer, row_hints[k], plan.hint_role) for k in keep],
         rewards=[row_rewards[k] for k in keep],
-        group_ids=[int(batch["index"]) * P + live[e][0] for e, _ in kept],
-        pad_id=tokenizer.pad_token_id or 0,
-        max_response_length=max_tokens,
-        engine_logprobs=[
-            [0.0] * len(live[e][1].turns[t].context_ids) + live[e][1].turns[t].completion.logprobs
-            for e, t in kept
-        ],
+        group_ids=[groups[k] for k in keep],
+        pad_id=plan.tokenizer.pad_token_id or 0,
+        max_response_length=plan.max_tokens,
+        engine_logprobs=[refs[k].engine_logprobs() for k in keep],
     )
+    episode_index = {id(ep): n for n, (_, ep) in enumerate(flat)}
     rollout.episode_ids = torch.tensor(  # unique within the batch, where advantages are taken
-        [
-            len(flat) + k if own[k] else episode_index[id(live[e][1])]
-            for k, (e, _) in zip(keep, kept, strict=True)
-        ]
+        [len(flat) + k if own[k] else episode_index[id(refs[k].episode)] for k in keep]
     )
-    if parts is not None:  # a turn rewarded on its own, or by its environment: no parts
-        by_episode = dict(zip(ask, parts[0], strict=True))
-        nan = [math.nan] * len(parts[1])
-        rollout.reward_components = torch.tensor(
-            [
-                nan
-                if own[k] or e not in by_episode
-                else [math.nan if v is None else v for v in by_episode[e]]
-                for k, (e, _) in zip(keep, kept, strict=True)
-            ],
-            dtype=torch.float64,
-        )
-        rollout.reward_weights = tuple(parts[1])
-    hinted_metrics = StepMetrics()
-    shown: dict[int, dict[str, Any]] = {}  # each group's first hinted reply, for its sample row
-    if hinted is not None:  # each turn's group id as its row's
-        args = (tokenizer, episodes_of, groups, hints, hint_role, score)
-        rollout.hinted, hinted_metrics, texts = hinted.from_turns(*args)
-        for g, r, ok, text in zip(
-            rollout.hinted.group_ids.tolist(),
-            rollout.hinted.rewards.tolist(),
-            rollout.hinted.has_reward.tolist(),
-            texts,
-            strict=True,
-        ):
-            shown.setdefault(g, {"hinted_reply": text, "hinted_reward": r if ok else None})
-    truncated = torch.tensor([live[e][1].status == "truncated" for e, _ in kept])
-    if mask_truncated:
+    if out.parts is not None:
+        _reward_components(rollout, out, [(refs[k].live, own[k]) for k in keep])
+    shown, hinted_metrics = _hinted_replies(rollout, plan, pairs, groups, hints)
+    truncated = None
+    if plan.mask_truncated:
+        truncated = torch.tensor([refs[k].episode.status == "truncated" for k in keep])
         rollout.response_mask &= ~truncated[:, None]
         assert rollout.sdpo_mask is not None  # RolloutBatch.__post_init__ fills it
         rollout.sdpo_mask &= ~truncated[:, None]
-    by_turn = {turns[k]: (row_rewards[k], hints[k]) for k in range(len(turns))}
-    path = dict(zip(turns, map(signal_of, row_rewards, row_hints), strict=True))
-    rows = [
-        sample_row(ep, rewards[n], [by_turn[(n, t)] for t in range(len(ep.turns))])
-        | ({"extra": extras[n]} if extras.get(n) else {})
-        | shown.get(int(batch["index"]) * P + live[n][0], {})
-        | (check.teacher_replies.get(int(batch["index"]) * P + live[n][0], {}) if check else {})
-        | {"signal": [path[(n, t)] for t in range(len(ep.turns))]}
-        for n, ep in first_of_groups(live)
-    ][:samples_per_step]
-    for kind, count in (("score", failures), ("hint", hint_failures)):
-        if count:
-            log.warning(
-                "rollout batch %s: %d of %d %s calls failed (one line each above); those "
-                "samples get no %s",
-                batch["index"],
-                count,
-                len(ask) if kind == "score" else len(turns),
-                kind,
-                "reward" if kind == "score" else "hint",
-            )
-    if failed:
-        log.warning(
-            "rollout batch %s: %d of %d episodes failed (one line each above) and were dropped",
-            batch["index"],
-            len(failed),
-            len(flat),
-        )
-    completions = [
-        ep.turns[t].completion for e, (_, ep) in enumerate(live) for t in range(len(ep.turns))
-    ]
-    lengths = [len(c.token_ids) for c in completions]
-    rewarded = torch.tensor([r for r in rewards if r is not None], dtype=torch.float)
-    n, r = float(max(len(lengths), 1)), float(len(rewarded))
-    metrics = StepMetrics()  # each with its reduction over ranks
-    metrics.update(counts, kind="sum")
-    metrics.mean("rollout/reward_mean", float(rewarded.mean()) if r else 0.0, weight=r)
-    metrics.mean("rollout/reward_std", float(rewarded.std(unbiased=False)) if r else 0.0, weight=r)
-    metrics.mean("rollout/response_length_mean", sum(lengths) / n, weight=n)
-    metrics.max("rollout/response_length_max", float(max(lengths, default=0)))
-    metrics.mean(
-        "rollout/truncation_rate",
-        sum(c.finish_reason == "length" for c in completions) / n,
-        weight=n,
+    rows = _sample_rows(batch, plan, live, out, refs, row_rewards, hints, row_hints, shown)
+    failures.warn(batch.index)
+    metrics = rollout_metrics(
+        [ep for _, ep in live],
+        out.rewards,
+        counts,
+        truncated,
+        failures,
+        [plan.score, plan.hint],
+        out.logged | turn_logged,
     )
-    metrics.sum("rollout/masked_truncated", float(truncated.sum()) if mask_truncated else 0.0)
-    metrics.sum("rollout/score_failures", float(failures))
-    metrics.sum("rollout/hint_failures", float(hint_failures))
-    metrics.sum(
-        "rollout/judge_truncated",
-        float(getattr(score, "truncated", 0) + getattr(hint, "truncated", 0)),
-    )
-    metrics.sum("rollout/tokens", float(sum(lengths)))
-    for name, (value, weight) in logged.items():
-        metrics.mean(name, value, weight=weight)
     metrics.include(hinted_metrics)
     metrics.include(check_metrics)
-    if any(len(ep.turns) > 1 or ep.tools for _, ep in flat):  # episodes of several turns
-        E = float(len(flat))
-        metrics.mean("episode/turns", sum(len(ep.turns) for _, ep in flat) / E, weight=E)
-        tooled = [ep for _, ep in flat if ep.tools]
-        if tooled:  # episodes that had tools and never called one (no turn got a next state)
-            silent = sum(not any(t.has_next_state for t in ep.turns) for ep in tooled)
-            metrics.mean("episode/no_call_rate", silent / len(tooled), weight=len(tooled))
-        for status in ("failed", "truncated", "max_turns"):
-            metrics.sum(f"episode/{status}", float(sum(ep.status == status for _, ep in flat)))
-        metrics.sum(
-            "episode/tool_errors",
-            float(
-                sum(
-                    t.next_state is not None and t.next_state.tool_error is not None
-                    for _, ep in flat
-                    for t in ep.turns
-                )
-            ),
-        )
-        metrics.sum(
-            "episode/retokenized_differently",
-            float(sum(ep.retokenized_differently for _, ep in flat)),
-        )
-    provider: Any
-    for provider in (score, hint):  # counts are per step
-        if getattr(provider, "truncated", 0):
-            provider.truncated = 0
+    metrics.include(episode_metrics([ep for _, ep in flat]))
     return rollout, metrics, rows
+
+
+def outcomes(score: ScoreProvider, live: list[Episode], truncation_penalty: float) -> Outcomes:
+    """Each live episode's outcome: its environment's reward, else the score provider's on its
+    problem and final turn; minus `truncation_penalty` for an episode that ran out of tokens."""
+    asked = [k for k, ep in enumerate(live) if ep.reward is None]
+    finals = [live[k].turns[-1] for k in asked]
+    values, failures = provider_values(
+        score,
+        "score",
+        [live[k].problem for k in asked],
+        [t.text for t in finals],
+        [list(t.completion.token_ids) for t in finals],
+    )
+    ScoringError.raise_if_all_failed(values, failures)
+    logged, extra = provider_logs(score)  # its reward functions' metrics and columns
+    extras = {
+        asked[j]: {c: v[j] for c, v in extra.items() if j < len(v)} for j in range(len(asked))
+    }
+    rewards: list[float | None] = [ep.reward for ep in live]
+    for k, value in zip(asked, values, strict=True):
+        rewards[k] = value
+    if truncation_penalty:
+        for k, ep in enumerate(live):
+            if ep.status == "truncated":
+                rewards[k] = (rewards[k] or 0.0) - truncation_penalty
+    parts = provider_components(score)  # each reward function's own values (GDPO)
+    return Outcomes(rewards, asked, failures, parts, logged, extras)
+
+
+def turn_rewards(
+    turn_score: ScoreProvider | None,
+    refs: list[TurnRef],
+    problems: list[dict[str, Any]],
+    texts: list[str],
+    rewards: list[float | None],
+) -> tuple[list[float | None], list[bool], int, dict[str, tuple[float, float]]]:
+    """Each turn's reward: its episode's outcome (`rewards`), or with `turn_score` that
+    provider's own score for every turn with a next state but the episode's last (that keeps
+    the outcome: an episode cut at max_turns ends on a next state, too).
+
+    Returns:
+        The turns' rewards, whether each is a sample of its own (rewarded on its own), the
+        failed `turn_score` calls and its metrics (as `turn_<name>`).
+    """
+    rewards, own = list(rewards), [False] * len(refs)
+    if turn_score is None:
+        return rewards, own, 0, {}
+    scored = [k for k, ref in enumerate(refs) if ref.turn.has_next_state and not ref.last]
+    values, failures = provider_values(
+        turn_score,
+        "score",
+        [problems[k] for k in scored],
+        [texts[k] for k in scored],
+        [list(refs[k].turn.completion.token_ids) for k in scored],
+    )
+    for k, value in zip(scored, values, strict=True):
+        rewards[k], own[k] = value, True
+    logged, _ = provider_logs(turn_score)
+    return rewards, own, failures, {f"turn_{name}": value for name, value in logged.items()}
+
+
+def _all_dropped(
+    batch: PromptBatch, plan: RolloutPlan, hints: list[Any], row_hints: list[Any]
+) -> ScoringError:
+    gated = any(hints) and not any(row_hints)
+    return ScoringError(
+        f"no sample of rollout batch {batch.index} has a usable score or an accepted "
+        "hint: every sample was dropped"
+        + (
+            " (the hint check trusted no hint: rollout.hint_trust: always uses them unchecked)"
+            if gated and plan.check is not None
+            else ""
+        )
+    )
+
+
+def _reward_components(rollout: RolloutBatch, out: Outcomes, rows: list[tuple[int, bool]]) -> None:
+    """Each row's reward functions' own values (GDPO), by `(live episode, own)`: NaN for a turn
+    rewarded on its own, or by its environment (no parts)."""
+    values, weights = out.parts
+    by_episode = dict(zip(out.asked, values, strict=True))
+    nan = [math.nan] * len(weights)
+    rollout.reward_components = torch.tensor(
+        [
+            nan
+            if own or e not in by_episode
+            else [math.nan if v is None else v for v in by_episode[e]]
+            for e, own in rows
+        ],
+        dtype=torch.float64,
+    )
+    rollout.reward_weights = tuple(weights)
+
+
+def _hinted_replies(
+    rollout: RolloutBatch,
+    plan: RolloutPlan,
+    pairs: list[tuple[Episode, int]],
+    groups: list[int],
+    hints: list[Any],
+) -> tuple[dict[int, dict[str, Any]], StepMetrics]:
+    """With `plan.hinted`, the batch's hinted replies (set as `rollout.hinted`) and each
+    group's first one, for its sample row."""
+    shown: dict[int, dict[str, Any]] = {}
+    if plan.hinted is None:
+        return shown, StepMetrics()
+    args = (plan.tokenizer, pairs, groups, hints, plan.hint_role, plan.score)
+    rollout.hinted, metrics, texts = plan.hinted.from_turns(*args)
+    for g, r, ok, text in zip(
+        rollout.hinted.group_ids.tolist(),
+        rollout.hinted.rewards.tolist(),
+        rollout.hinted.has_reward.tolist(),
+        texts,
+        strict=True,
+    ):
+        shown.setdefault(g, {"hinted_reply": text, "hinted_reward": r if ok else None})
+    return shown, metrics
+
+
+def _sample_rows(
+    batch: PromptBatch,
+    plan: RolloutPlan,
+    live: list[tuple[int, Episode]],
+    out: Outcomes,
+    refs: list[TurnRef],
+    row_rewards: list[float | None],
+    hints: list[Any],
+    row_hints: list[Any],
+    shown: dict[int, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The first `plan.samples_per_step` problems' rows (`sample_rows.py`)."""
+    by_turn = {(ref.live, ref.index): k for k, ref in enumerate(refs)}
+    replies = plan.check.teacher_replies if plan.check is not None else {}
+    rows = []
+    for n, ep in first_of_groups(live)[: plan.samples_per_step]:
+        ks = [by_turn[(n, t)] for t in range(len(ep.turns))]
+        group = batch.group_of(live[n][0])
+        rows.append(
+            sample_row(ep, out.rewards[n], [(row_rewards[k], hints[k]) for k in ks])
+            | ({"extra": out.extras[n]} if out.extras.get(n) else {})
+            | shown.get(group, {})
+            | replies.get(group, {})
+            | {"signal": [signal_of(row_rewards[k], row_hints[k]) for k in ks]}
+        )
+    return rows

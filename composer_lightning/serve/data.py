@@ -8,15 +8,17 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from composer_lightning.protocols.prompts import PromptBatch
+
 
 class _Steps(IterableDataset):
     def __init__(self, dm: ServeDataModule):
         self.dm = dm
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[PromptBatch]:
         i = self.dm.consumed
         while True:
-            yield {"index": i}
+            yield PromptBatch(i, [], [])
             i += 1
 
 

@@ -7,7 +7,7 @@ The callback starts the policy's engine behind an OpenAI-compatible endpoint (`a
 127.0.0.1 by default) and records every turn it serves (`store.py`). A judge thread judges each
 recorded turn once its next state is known (the session's next request, its end, or a
 timeout): the turn goes to the score and hint providers as an episode's turn does —
-`(context, turn, next state)`, `dispatch.turn_problem` — and the verdict (a score and/or a
+`(context, turn, next state)`, `rollout/turns.py`, `turn_problem` — and the verdict (a score and/or a
 hint) is stored; a turn with neither is dropped (the fourth dispatch path). Each optimizer step
 takes `batch_size` judged turns, oldest first: one sample each (G = 1, OpenClaw-RL's reward
 broadcast: no group baseline; the n choices of one request with n > 1 go together as one group,
@@ -59,9 +59,10 @@ from composer_lightning.engines.fingerprint import FingerprintRecorder
 from composer_lightning.models.weights import iter_hf_weights
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.rollout.callback import RolloutCallback
-from composer_lightning.rollout.dispatch import dispatch, rollout_sample
+from composer_lightning.rollout.dispatch import dispatch
 from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import provider_values
+from composer_lightning.rollout.turns import rollout_sample
 from composer_lightning.runtime.distributed import StepMetrics
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.moved import moved_attribute
@@ -402,8 +403,8 @@ class ServeCallback(RolloutCallback):
             weight=float(len(rewarded)),
         )  # fmt: skip
         rollout.metrics = metrics
-        batch["rollout"] = rollout.to(pl_module.device)
-        trainer.datamodule.consumed = int(batch["index"]) + 1  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
+        batch.rollout = rollout.to(pl_module.device)
+        trainer.datamodule.consumed = int(batch.index) + 1  # type: ignore[attr-defined]  # Lightning sets it in Trainer.__init__
 
     def dropped_since_last_step(self, counts: dict[str, int]) -> int:
         """Turns dropped for no signal since the previous step (the other dispatch paths are

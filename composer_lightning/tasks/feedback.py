@@ -3,7 +3,7 @@
 When the next state is a user's reply that says plainly whether the turn was right and how to
 fix it ("No, that is wrong. Hint: the answer has 2 digits."), these read it directly: an
 evaluative signal (`FeedbackScore`: ±1) and a directive one (`FeedbackHint`: the correction).
-They see a turn as every per-turn provider does (`dispatch.turn_problem`: `next_state`, the
+They see a turn as every per-turn provider does (`rollout/turns.py`, `turn_problem`: `next_state`, the
 messages that followed the turn) and give nothing for a turn without one. For feedback that
 is not this explicit, use the LLM judges (`NextStateJudgeScore`, `NextStateJudgeHint`).
 """

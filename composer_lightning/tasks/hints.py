@@ -78,7 +78,7 @@ class EpisodeHint(HintProvider):
     and a correct call gets no hint (the verifier would read it as an answer with no number).
 
     A turn with a next state is one whose problem carries `turn` (its index), as the rollout
-    gives it (`rollout/dispatch.py`, `turn_problem`); single-turn samples are answers.
+    gives it (`rollout/turns.py`, `turn_problem`); single-turn samples are answers.
 
     Args:
         answer: the provider of the episode's last turn; None: that turn gets no hint.

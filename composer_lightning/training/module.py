@@ -41,6 +41,7 @@ from composer_lightning.models.loading import (
 from composer_lightning.models.lora import LoraConfig, lora_policy
 from composer_lightning.models.sharding import data_parallel_mesh, shard_frozen, shard_fsdp2
 from composer_lightning.protocols.batch import RolloutBatch
+from composer_lightning.protocols.prompts import PromptBatch
 from composer_lightning.protocols.step import RolloutTargets, StepContext
 from composer_lightning.runtime.distributed import StepMetrics, agree, full
 from composer_lightning.runtime.inputs import check_trainer_options
@@ -423,7 +424,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
 
     # ----------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        rb = batch["rollout"] if isinstance(batch, dict) else batch
+        rb = batch.rollout if isinstance(batch, PromptBatch) else batch
         if not isinstance(rb, RolloutBatch):
             raise TypeError(
                 f"training_step expects a RolloutBatch (or a dict with key 'rollout'), "
@@ -542,4 +543,4 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Held-out figures the rollout callback computed for this batch (`rollout/validation.py`)."""
-        log_validation(self, batch["val"])
+        log_validation(self, batch.val)

@@ -48,9 +48,9 @@ def test_a_parquet_dataset_with_a_column_mapping_keeps_its_extra_columns(tmp_pat
         prompts_per_step=4,
     )
     batch = dm.prompt_batch(0)
-    assert all(set(p) == {"prompt", "solution"} for p in batch["problems"])
-    assert all(p["solution"].split("#### ")[1] for p in batch["problems"])
-    assert batch["prompt_ids"][0] == tokenize_prompt(dm.tokenizer, batch["problems"][0])
+    assert all(set(p) == {"prompt", "solution"} for p in batch.problems)
+    assert all(p["solution"].split("#### ")[1] for p in batch.problems)
+    assert batch.prompt_ids[0] == tokenize_prompt(dm.tokenizer, batch.problems[0])
     # the held-out split by hash, as for prompt files: disjoint from training, same size rule
     held = dm.validation_problems()
     assert held and all(is_heldout(p, 0.2) for p in held)
@@ -85,7 +85,7 @@ def test_conversational_and_standard_rows_in_one_prompt_file(tmp_path):
     )
     batch = dm.prompt_batch(0)
     by_prompt = {
-        str(p["prompt"]): ids for p, ids in zip(batch["problems"], batch["prompt_ids"], strict=True)
+        str(p["prompt"]): ids for p, ids in zip(batch.problems, batch.prompt_ids, strict=True)
     }
     assert by_prompt[str(chat)] == tokenize_prompt(dm.tokenizer, {"messages": chat})
     assert dm.tokenizer.decode(by_prompt["2 + 2?"]).startswith("<|bos|><|user|>2 + 2?")
@@ -100,9 +100,9 @@ def test_max_prompt_length_keeps_the_last_tokens_as_trl_does(tmp_path):
     cut = RolloutDataModule(
         tokenizer=POLICY, task=None, prompt_file=str(path), val_fraction=0, max_prompt_length=5
     )
-    ids = full.prompt_batch(0)["prompt_ids"][0]
+    ids = full.prompt_batch(0).prompt_ids[0]
     assert len(ids) > 5
-    assert cut.prompt_batch(0)["prompt_ids"][0] == ids[-5:]  # TRL's definition
+    assert cut.prompt_batch(0).prompt_ids[0] == ids[-5:]  # TRL's definition
     assert [ids for _, ids in cut.labelled_prompts()] == [ids[-5:]]
     assert truncate_left([1, 2, 3], 5) == [1, 2, 3] and truncate_left([1, 2, 3], None) == [1, 2, 3]
     with pytest.raises(ValueError, match="max_prompt_length must be >= 1"):

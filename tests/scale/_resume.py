@@ -59,7 +59,7 @@ class Record(L.Callback):
         self.steps[trainer.global_step] = {
             "staleness": float(seen["rollout/staleness"]),
             "gap": float(seen.get("rollout/logprob_gap_max", float("nan"))),
-            "prompts": [p["messages"][0]["content"] for p in batch["problems"]],
+            "prompts": [p["messages"][0]["content"] for p in batch.problems],
             "torch": torch.rand(n),
             "python": [random.random() for _ in range(n)],
         }

@@ -132,10 +132,10 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            rb, metrics = batch["rollout"], trainer.callback_metrics
+            rb, metrics = batch.rollout, trainer.callback_metrics
             seen.append(
                 {
-                    "prompts": [p["messages"][0]["content"] for p in batch["problems"]],
+                    "prompts": [p["messages"][0]["content"] for p in batch.problems],
                     "gap": float(trainer.callback_metrics["rollout/logprob_gap_max"]),
                     "rewards": rb.rewards[rb.has_reward].tolist(),
                     "reward_mean": float(metrics["rollout/reward_mean"]),

@@ -248,8 +248,8 @@ def test_an_episode_hint_hints_calls_by_the_tools_error_and_the_answer_by_the_ve
     correct call no hint (the verifier alone would ask it for a number), an answer that stopped
     the chain early what it left out, a right answer none."""
     from composer_lightning.envs.base import Observation
-    from composer_lightning.rollout.dispatch import turn_problem
     from composer_lightning.rollout.episodes import Turn
+    from composer_lightning.rollout.turns import turn_problem
     from composer_lightning.tasks import EpisodeHint, ToolErrorHint, VerifierHint
     from composer_lightning.tasks.tool_calc import ToolCalc
 
