@@ -4,8 +4,9 @@ plug-in loss heads (Dr. GRPO, OPD teacher advantage, SDPO, replay DPO, KL).
 The package is laid out by role, one room (subpackage) per role; each room's docstring says what
 it owns and what it may import. Imports point down `LAYERS` only (a room imports rooms before it
 in the tuple, never after), and no module imports itself back through others
-(`tests/test_layout.py` holds both). The package root holds the entry points (`cli.py`,
-`__main__.py`, `from_trl.py`) and the public names below.
+(`tests/test_layout.py` holds both). The package root holds the entry points (`cli.py`, the
+Lightning CLI it runs in `lightning_cli.py`, `__main__.py`, `from_trl.py`) and the public names
+below.
 """
 
 from composer_lightning.runtime.moved import install as _install_moved_paths

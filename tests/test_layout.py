@@ -28,6 +28,7 @@ ROOT_MODULES = {
     "composer_lightning.__main__",
     "composer_lightning.cli",
     "composer_lightning.from_trl",
+    "composer_lightning.lightning_cli",
 }
 #: A file longer than this says why in its docstring ("Why this file is long: ...").
 MAX_LINES = 400

@@ -13,12 +13,12 @@ import torch
 from jsonargparse import Namespace
 
 from composer_lightning.callbacks.curves import Curves
-from composer_lightning.cli import one_run_dir
 from composer_lightning.datamodules.rollout import RolloutDataModule
 from composer_lightning.engines import HFEngine, SamplingConfig
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.runtime.command_line import one_run_dir
 from composer_lightning.runtime.rundir import run_dir
 from composer_lightning.training.module import ComposerModule
 
