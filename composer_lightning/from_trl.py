@@ -169,16 +169,37 @@ def convert(
     if not trl.get("dataset_name"):
         raise ValueError("a TRL GRPO config needs dataset_name (a hub id or a local file)")
     fields = _Fields(trl)
-    take, used, skip = fields.take, fields.used, fields.skip
     shape = _batch_shape(fields, num_processes)
-    policy = str(take("model_name_or_path"))
-    if trl.get("model_revision"):
-        policy = f"{policy}@{trl['model_revision']}"
-    seed = int(take("seed"))
-    max_steps = int(take("max_steps"))
+    seed = int(fields.take("seed"))
+    max_steps = int(fields.take("max_steps"))
+    sampling = _sampling(fields, seed)
+    model = _model(fields, shape, max_steps, int(sampling["max_tokens"]))
+    rollout = _rollout(fields, shape, seed, sampling)
+    data = _data(fields, shape, seed)
+    _check_step_counts(trl, model["ppo_epochs"] * shape.minibatches)
+    trainer = _trainer(fields, max_steps, host, num_processes)
+    for key, value in trl.items():
+        if key in fields.used or key in IGNORED:
+            continue
+        why = NOT_CARRIED.get(key, "not carried by this converter (docs/from_trl.md)")
+        fields.skip(f"{key}: {value!r} — {why}")
+    config = {
+        "seed_everything": seed,
+        "trainer": trainer,
+        "model": model,
+        "rollout": {"class_path": "composer_lightning.rollout.callback.RolloutCallback",
+                    "init_args": rollout},
+        "data": data,
+    }  # fmt: skip
+    return config, fields.notes
+
+
+def _sampling(fields: _Fields, seed: int) -> dict[str, Any]:
+    """`rollout.sampling`: temperature, length, seed, and the sampler's shaping TRL was given."""
+    trl, used = fields.trl, fields.used
     sampling: dict[str, Any] = {
-        "temperature": float(take("temperature")),
-        "max_tokens": int(take("max_completion_length")),
+        "temperature": float(fields.take("temperature")),
+        "max_tokens": int(fields.take("max_completion_length")),
         "seed": seed,
     }
     for key, default in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
@@ -188,39 +209,27 @@ def convert(
     used.add("generation_kwargs")
     if trl.get("generation_kwargs"):
         sampling["generation_kwargs"] = dict(trl["generation_kwargs"])
+    return sampling
+
+
+def _model(fields: _Fields, shape: BatchShape, max_steps: int, max_tokens: int) -> dict[str, Any]:
+    """The `model:` section: the policy and its loading, the heads, the surrogate, the batch
+    split, the optimizer and its schedule, LoRA."""
+    trl, used, take = fields.trl, fields.used, fields.take
+    policy = str(take("model_name_or_path"))
+    if trl.get("model_revision"):
+        policy = f"{policy}@{trl['model_revision']}"
     loss_type = str(take("loss_type"))
     if loss_type not in TRL_LOSS_TYPES:
         raise ValueError(f"loss_type {loss_type!r} is not TRL's; expected one of {TRL_LOSS_TYPES}")
     aggregation = AGGREGATION.get(loss_type)
     if aggregation is None:
-        skip(f"loss_type: {loss_type} — not yet here; converted as dapo (token_mean)")
+        fields.skip(f"loss_type: {loss_type} — not yet here; converted as dapo (token_mean)")
         aggregation = "token_mean"
-    used.add("multi_objective_aggregation")
-    objectives = str(trl.get("multi_objective_aggregation") or "sum_then_normalize")
-    scale = take("scale_rewards")
-    scale = {True: "group", False: "none"}.get(scale, scale)
-    heads: list[dict[str, Any]] = [
-        {
-            "class_path": "composer_lightning.heads.dr_grpo.DrGRPOHead",
-            "init_args": {
-                "weight": 1.0,
-                "scale_rewards": str(scale),
-                "multi_objective_aggregation": objectives,
-            },
-        }
-    ]
-    beta = float(take("beta"))
-    if beta > 0:
-        heads.append(
-            {
-                "class_path": "composer_lightning.heads.kl.KLHead",
-                "init_args": {"kl_coef": beta, "estimator": "k3", "placement": "loss"},
-            }
-        )
     epsilon = float(take("epsilon"))
     model: dict[str, Any] = {
         "policy": policy,
-        "heads": heads,
+        "heads": _heads(fields),
         "optimizer": _optimizer(fields),
         "lr_scheduler": _lr_scheduler(fields, max_steps),
         "aggregation": aggregation,
@@ -236,7 +245,7 @@ def convert(
     used.update({"epsilon_high", "num_iterations", "gradient_checkpointing"})
     if model["entropy_coef"] or trl.get("use_adaptive_entropy"):
         _entropy_note(fields, model["entropy_coef"], aggregation, loss_type)
-    model.update(_surrogate(trl, used, skip, loss_type, model["clip_high"]))
+    model.update(_surrogate(trl, used, fields.skip, loss_type, model["clip_high"]))
     init_kwargs = dict(trl.get("model_init_kwargs") or {})
     for key, name in (("dtype", "dtype"), ("torch_dtype", "dtype"), ("attn_implementation",) * 2):
         if trl.get(key) not in (None, "auto"):
@@ -245,7 +254,7 @@ def convert(
     if init_kwargs:
         model["model_init_kwargs"] = init_kwargs
     if loss_type == "dr_grpo":
-        model["norm_length"] = sampling["max_tokens"]  # TRL divides by max_completion_length
+        model["norm_length"] = max_tokens  # TRL divides by max_completion_length
     if trl.get("use_peft"):
         model["peft"] = {
             "class_path": "peft.LoraConfig",
@@ -257,35 +266,55 @@ def convert(
             },
         }
     used.update({"use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"})
+    return model
+
+
+def _heads(fields: _Fields) -> list[dict[str, Any]]:
+    """Dr. GRPO at TRL's reward scaling and multi-objective aggregation; with `beta` > 0, TRL's
+    k3 KL penalty in the loss."""
+    fields.used.add("multi_objective_aggregation")
+    objectives = str(fields.trl.get("multi_objective_aggregation") or "sum_then_normalize")
+    scale = fields.take("scale_rewards")
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    heads: list[dict[str, Any]] = [
+        {
+            "class_path": "composer_lightning.heads.dr_grpo.DrGRPOHead",
+            "init_args": {
+                "weight": 1.0,
+                "scale_rewards": str(scale),
+                "multi_objective_aggregation": objectives,
+            },
+        }
+    ]
+    beta = float(fields.take("beta"))
+    if beta > 0:
+        heads.append(
+            {
+                "class_path": "composer_lightning.heads.kl.KLHead",
+                "init_args": {"kl_coef": beta, "estimator": "k3", "placement": "loss"},
+            }
+        )
+    return heads
+
+
+def _rollout(
+    fields: _Fields, shape: BatchShape, seed: int, sampling: dict[str, Any]
+) -> dict[str, Any]:
+    """The `rollout:` section's arguments: the engine, the group, the reward functions, tool
+    turns and the logged completions."""
+    trl, used = fields.trl, fields.used
     funcs = trl.get("reward_funcs") or []
     used.update({"reward_funcs", "reward_weights"})
     funcs = [funcs] if isinstance(funcs, str) else list(funcs)
     funcs = [f if "." in f else f"trl.rewards.{f}" for f in funcs]  # TRL's built-in names
     rollout: dict[str, Any] = {
-        "engine": {
-            "class_path": "composer_lightning.engines."
-            + ("VLLMEngine" if trl.get("use_vllm") else "HFEngine"),
-            "init_args": {"seed": seed},
-        },
+        "engine": _engine(fields, seed),
         "group_size": shape.group_size,
         "sampling": sampling,
         "mask_truncated_completions": bool(trl.get("mask_truncated_completions", False)),
         "val_samples": int(trl.get("num_generations_eval") or shape.group_size),
     }
-    used.update({"use_vllm", "mask_truncated_completions", "num_generations_eval"})
-    if trl.get("use_vllm"):
-        engine = rollout["engine"]["init_args"]
-        for key, name in (
-            ("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
-            ("vllm_max_model_length", "max_model_len"),
-            ("vllm_enable_sleep_mode", "enable_sleep_mode"),
-        ):
-            used.add(key)
-            if trl.get(key) is not None:
-                engine[name] = trl[key]
-        used.add("vllm_tensor_parallel_size")
-        if int(trl.get("vllm_tensor_parallel_size") or 1) > 1:
-            engine["llm_kwargs"] = {"tensor_parallel_size": int(trl["vllm_tensor_parallel_size"])}
+    used.update({"mask_truncated_completions", "num_generations_eval"})
     if funcs:
         score: dict[str, Any] = {"fn": funcs}
         if trl.get("reward_weights"):
@@ -295,7 +324,7 @@ def convert(
             "init_args": score,
         }
     else:
-        skip("reward_funcs: none given — the data's task verifier scores (data.task)")
+        fields.skip("reward_funcs: none given — the data's task verifier scores (data.task)")
     if trl.get("max_tool_calling_iterations"):
         rollout["max_turns"] = int(trl["max_tool_calling_iterations"]) + 1
     used.add("max_tool_calling_iterations")
@@ -305,6 +334,38 @@ def convert(
     else:
         rollout["samples_every_n_steps"] = 0
     used.update({"log_completions", "num_completions_to_print"})
+    return rollout
+
+
+def _engine(fields: _Fields, seed: int) -> dict[str, Any]:
+    """vLLM with TRL's `use_vllm` (its memory, context, sleep mode and tensor parallelism),
+    else transformers' `generate`."""
+    trl, used = fields.trl, fields.used
+    used.add("use_vllm")
+    engine: dict[str, Any] = {
+        "class_path": "composer_lightning.engines."
+        + ("VLLMEngine" if trl.get("use_vllm") else "HFEngine"),
+        "init_args": {"seed": seed},
+    }
+    if trl.get("use_vllm"):
+        args = engine["init_args"]
+        for key, name in (
+            ("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
+            ("vllm_max_model_length", "max_model_len"),
+            ("vllm_enable_sleep_mode", "enable_sleep_mode"),
+        ):
+            used.add(key)
+            if trl.get(key) is not None:
+                args[name] = trl[key]
+        used.add("vllm_tensor_parallel_size")
+        if int(trl.get("vllm_tensor_parallel_size") or 1) > 1:
+            args["llm_kwargs"] = {"tensor_parallel_size": int(trl["vllm_tensor_parallel_size"])}
+    return engine
+
+
+def _data(fields: _Fields, shape: BatchShape, seed: int) -> dict[str, Any]:
+    """The `data:` section: the dataset's prompts, `prompts_per_step` of them a rollout batch."""
+    trl, used = fields.trl, fields.used
     data: dict[str, Any] = {
         "class_path": "composer_lightning.datamodules.rollout.RolloutDataModule",
         "init_args": {
@@ -323,22 +384,7 @@ def convert(
     if trl.get("chat_template_kwargs"):
         data["init_args"]["chat_template_kwargs"] = dict(trl["chat_template_kwargs"])
     used.add("chat_template_kwargs")
-    _check_step_counts(trl, model["ppo_epochs"] * shape.minibatches)
-    trainer = _trainer(fields, max_steps, host, num_processes)
-    for key, value in trl.items():
-        if key in used or key in IGNORED:
-            continue
-        why = NOT_CARRIED.get(key, "not carried by this converter (docs/from_trl.md)")
-        skip(f"{key}: {value!r} — {why}")
-    config = {
-        "seed_everything": seed,
-        "trainer": trainer,
-        "model": model,
-        "rollout": {"class_path": "composer_lightning.rollout.callback.RolloutCallback",
-                    "init_args": rollout},
-        "data": data,
-    }  # fmt: skip
-    return config, fields.notes
+    return data
 
 
 def _optimizer(fields: _Fields) -> dict[str, Any]:
