@@ -181,6 +181,20 @@ SMOKES = {
     # the tiny policy, every kind of run once (on policy, overlapped, generation and training
     # alone; TRL when importable, else the line saying its rows were left out), 5 steps: the
     # first measured after the 3 warm-up steps
+    # the tiny policy's matmul shapes and one 4 x 32 update, fp32 and bf16: every rate filled
+    "roofline": Smoke(
+        "roofline.py",
+        "--model tiny --shape 4x32 --threads 1 --repeats 1",
+        (
+            *(rf"^\| {p} \| {POS} \|$" for p in ("fp32", "bf16")),
+            *(
+                rf"^\| {p} \| {part} \| {NUM} \| {POS} \| {POS} \| {POS} \| {POS} \|$"
+                for p in ("fp32", "bf16")
+                for part in ("forward", "lm head", "lm head bwd", "backward", "update")
+            ),
+            *(rf"^\| {p} \| optimizer \| {POS} \| 0 \| 0 \| — \| — \|$" for p in ("fp32", "bf16")),
+        ),
+    ),
     # every head of the tiny policy for 3 steps (1 timed): every part of the step timed (the
     # "vs dr_grpo" column needs the dr_grpo set, a second run of the same code: "—" without it)
     "step_cost": Smoke(
