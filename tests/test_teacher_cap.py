@@ -88,7 +88,7 @@ def test_a_teacher_alone_or_a_matching_option_is_not_capped():
     matched = Objective(heads, aggregation="token_mean", grad_norm_matching="rl")
     assert not matched.caps_teachers({"rl": 1.0, "opd": 1.0})
     capped = Objective(heads, aggregation="token_mean")
-    assert capped.teacher_cap == 1.0 and capped.caps_teachers({"rl": 1.0, "opd": 1.0})
+    assert capped.teacher_cap == 0.2 and capped.caps_teachers({"rl": 1.0, "opd": 1.0})
     assert not capped.caps_teachers({"rl": 0.0, "opd": 1.0})  # the rest ramped out
     with pytest.raises(ValueError, match="teacher_cap must be a finite number >= 0 or None"):
         Objective(heads, teacher_cap=-1.0)

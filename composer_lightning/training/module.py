@@ -126,8 +126,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             micro-batches, keeps the minibatch's `[B, T, H]` states). Exclusive with
             `variance_matching`. None disables it.
         teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) pulls on the
-            policy at most `teacher_cap` times as hard as the other heads together (the RL
-            signal), measured each minibatch at the final hidden states, and 0 where they have
+            policy at most `teacher_cap` (default 0.2: a fifth) times as hard as the other heads
+            together (the RL signal), measured each minibatch at the final hidden states, and 0 where they have
             no gradient: a teacher's per-token signal refines what RL learns, never leads it
             alone (`Objective`). Logged as `<head>/weight` and `<head>/cap_scale`. None:
             uncapped (the behaviour before); ignored with either matching option.
@@ -218,7 +218,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         mixing: Mixing = "advantage",
         variance_matching: str | None = None,
         grad_norm_matching: str | None = None,
-        teacher_cap: float | None = 1.0,
+        teacher_cap: float | None = 0.2,
         grad_share_every_n_steps: int = 0,
         ppo_epochs: int = 1,
         minibatches: int = 1,

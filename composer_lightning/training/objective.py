@@ -88,8 +88,8 @@ class Objective:
             is formed: one backward through the chunked LM head per head, every step.
             Exclusive with `variance_matching`.
         teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) pulls on the
-            policy at most `teacher_cap` times as hard as the other heads together (the RL
-            signal): each minibatch its weight is scaled by `min(1, teacher_cap · ‖g_rest‖ /
+            policy at most `teacher_cap` (default 0.2) times as hard as the other heads together
+            (the RL signal): each minibatch its weight is scaled by `min(1, teacher_cap · ‖g_rest‖ /
             ‖g_h‖)`, the norms of the weighted pieces' gradients at the final hidden states
             (over all ranks, detached; `mixer.teacher_cap_scales`), logged as `<head>/weight`.
             Where the rest has no gradient (no group with both a right and a wrong reply) the
@@ -132,7 +132,7 @@ class Objective:
         variance_matching: str | None = None,
         importance_cap: float | None = 2.0,
         grad_norm_matching: str | None = None,
-        teacher_cap: float | None = 1.0,
+        teacher_cap: float | None = 0.2,
         loss_mode: LossMode = "clip",
         importance_sampling_level: RatioLevel = "token",
         sapo_temperature_pos: float = 1.0,
