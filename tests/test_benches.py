@@ -181,6 +181,15 @@ SMOKES = {
     # the tiny policy, every kind of run once (on policy, overlapped, generation and training
     # alone; TRL when importable, else the line saying its rows were left out), 5 steps: the
     # first measured after the 3 warm-up steps
+    # the tiny main job for 2 steps, engine fp32 and trainer bf16-mixed: the gap, under its threshold
+    "precision_gap": Smoke(
+        "precision_gap.py",
+        "--steps 2 --engines float32 --trainers bf16-mixed",
+        (
+            rf"^\| float32 \| bf16-mixed \| {NUM}e-\d+ \| {NUM}e-\d+ \| {NUM}e-\d+ \| 0.05 \| {POS}× \|$",
+        ),
+        vllm=True,
+    ),
     # the tiny policy's matmul shapes and one 4 x 32 update, fp32 and bf16: every rate filled
     "roofline": Smoke(
         "roofline.py",
