@@ -3,7 +3,7 @@
     python bench/roofline.py [--model smollm2|tiny|PATH] [--shape 32x80] [--threads 2]
         [--repeats 3] [--precisions fp32 bf16]
 
-First the roofline: `torch.matmul` of the policy's own shapes (every `nn.Linear` of the decoder
+First the roofline: the matmul of the policy's own shapes (`F.linear`, as `nn.Linear` runs it) (every `nn.Linear` of the decoder
 and the LM head, at N = B x T token rows), timed in fp32 and in bf16; the achievable rate of a
 precision is the FLOP of one pass over those shapes (each as many times as the model has it)
 divided by its time. Then one update of the policy, part by part, in each precision (bf16:
@@ -69,14 +69,16 @@ def linear_shapes(model: Any) -> Counter[tuple[int, int]]:
 
 
 def roofline(shapes: Counter[tuple[int, int]], rows: int, dtype: Any, repeats: int) -> float:
-    """FLOP/s of `x @ W.T` over the policy's shapes at `rows` rows, in `dtype`."""
+    """FLOP/s of `F.linear(x, W)` (the kernel an `nn.Linear` runs) over the policy's shapes at
+    `rows` rows, in `dtype`."""
     import torch
+    import torch.nn.functional as F
 
     flop, seconds = 0.0, 0.0
     for (d_in, d_out), count in shapes.items():
         x = torch.randn(rows, d_in, dtype=dtype)
         w = torch.randn(d_out, d_in, dtype=dtype)
-        seconds += count * _timed(lambda x=x, w=w: x @ w.T, repeats)
+        seconds += count * _timed(lambda x=x, w=w: F.linear(x, w), repeats)
         flop += count * 2.0 * rows * d_in * d_out
     return flop / seconds
 
