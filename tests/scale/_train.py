@@ -193,6 +193,8 @@ module = ComposerModule(
     if flat
     else (lambda p: torch.optim.SGD(p, lr=0.1 if not rollouts else 1e-3)),
     **({} if rollouts else {"max_grad_norm": None}),
+    # the rollout runs' figures were set with the teacher cap at 1.0: the clip binds every step
+    **({"teacher_cap": 1.0} if rollouts else {}),
     **({"skip_signal_free_updates": True} if flat else {}),
     **micro,
 )
