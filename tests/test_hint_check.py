@@ -1,8 +1,11 @@
 """The hint check (`rollout/hint_check.py`): the teacher heads read a hint only in the groups
 whose hinted teacher knows better; the step-0 line says whether the hint helps; the placebo
-gives every hinted turn another problem's hint."""
+gives every hinted turn another problem's hint; by default the teacher acts only on the replies
+below their group's mean reward."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,7 +16,12 @@ from composer_lightning.models.tiny import tiny_policy_path
 from composer_lightning.protocols.prompts import PromptBatch
 from composer_lightning.rollout.dispatch import RolloutPlan, build_rollout
 from composer_lightning.rollout.episodes import one_turn_episodes
-from composer_lightning.rollout.hint_check import HintCheck, hint_line, placebo_hints
+from composer_lightning.rollout.hint_check import (
+    HintCheck,
+    below_mean_rows,
+    hint_line,
+    placebo_hints,
+)
 from composer_lightning.tasks import VerifierScore
 from tests.test_hinted_replies import _Engine, _Hint, _reply
 
@@ -47,6 +55,46 @@ def test_placebo_gives_every_hinted_turn_a_hint_of_another_group():
 
 def test_placebo_with_one_hinted_group_has_no_other_problem():
     assert placebo_hints(["a", None, "b"], [4, 4, 4], seed=0) == [None, None, None]
+
+
+# ---------------------------------------------------------------- the replies below the mean
+def test_the_teacher_keeps_only_the_replies_below_their_groups_mean():
+    """Hand-derived: group 0 (1, 0, 0, 1; mean 0.5) keeps its two wrong replies; group 1 (all
+    0.1: a mean that rounds above 0.1 in floats) keeps none; group 2 keeps the 0.2 below its
+    mean 0.6 and the unrewarded row (its only signal) but not the unhinted one; group 3 (-1, 0)
+    keeps the -1 (a truncation penalty)."""
+    hints = ["h"] * 4 + ["h"] * 3 + ["h", None, "h", "h"] + ["h", "h"]
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.2, 0.9, 1.0, None, -1.0, 0.0]
+    groups = [0] * 4 + [1] * 3 + [2] * 4 + [3] * 2
+    assert sum(rewards[4:7]) / 3 > 0.1  # the float trap the tolerance covers
+    kept, metrics = below_mean_rows(hints, rewards, groups)
+    assert kept == [None, "h", "h", None] + [None] * 3 + ["h", None, None, "h"] + ["h", None]
+    assert metrics.local()["hint/teacher_fraction"] == pytest.approx(5 / 12)
+    assert below_mean_rows([None, None], [0.0, 1.0], [0, 0])[0] == [None, None]
+
+
+def test_by_default_the_callback_gives_the_teacher_only_the_replies_below_the_mean(tokenizer):
+    """Group 0 has one right reply of two: only the wrong one reads the teacher; group 1 is
+    all wrong (Dr. GRPO has no signal there) and reads none; with "all" every hinted reply
+    does (the test's hint provider hints the wrong replies only)."""
+    from composer_lightning.rollout.callback import RolloutCallback
+
+    assert RolloutCallback(engine=None).teacher_replies == "below_mean"
+    with pytest.raises(ValueError, match=r"teacher_replies must be one of .*got 'wrong'"):
+        RolloutCallback(engine=None, teacher_replies="wrong")
+    problems = PROBLEMS[:2]
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
+    outs = [[_reply(tokenizer, "2"), _reply(tokenizer, "9")], [_reply(tokenizer, "9")] * 2]
+    episodes = one_turn_episodes(problems, batch.prompt_ids, outs, tokenizer)
+    plan = RolloutPlan(tokenizer, 4, VerifierScore(), hint=_Hint(), hint_role="user")
+    for replies, teacher in (
+        ("below_mean", [False, True, False, False]),
+        ("all", [False, True, True, True]),
+    ):
+        rollout, metrics, _ = build_rollout(batch, episodes, replace(plan, teacher_replies=replies))
+        assert rollout.has_teacher.tolist() == teacher
+        assert rollout.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # every reply still an RL sample
+    assert metrics.local()["dispatch/opd_rl"] == 3
 
 
 # ---------------------------------------------------------------- the check
@@ -164,6 +212,10 @@ def test_the_step_zero_line_says_whether_the_hint_helps():
     assert "the hint does NOT help" in hint_line(useless, "knows_better", False)
     assert "placebo" in hint_line(useless, "always", True)
     assert "every hint is used" in hint_line(useless, "always", False)
+    assert "replies below the group's mean reward" in hint_line(
+        helps, "knows_better", 0, "below_mean"
+    )
+    assert "mean reward" not in hint_line(helps, "knows_better", False, "all")
     tools = {"hint/checked": 0.0, "hint/unchecked": 4.0}
     assert "cannot be checked; their teacher signal is off" in hint_line(tools, "knows_better", 0)
     assert hint_line({}, "knows_better", False) is None

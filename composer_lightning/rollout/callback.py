@@ -64,7 +64,13 @@ from composer_lightning.rollout.generation import (
     sampling_seed,
     tensor_parallel_group,
 )
-from composer_lightning.rollout.hint_check import HintCheck, HintTrust, hint_line
+from composer_lightning.rollout.hint_check import (
+    TEACHER_REPLIES,
+    HintCheck,
+    HintTrust,
+    TeacherReplies,
+    hint_line,
+)
 from composer_lightning.rollout.hinted import HintedReplies, HintedSampler
 from composer_lightning.rollout.providers import share_trainer_state
 from composer_lightning.rollout.validation import evaluate, validate_now
@@ -182,6 +188,11 @@ class RolloutCallback(L.Callback):
             leaves the run as RL alone (`rollout/hint_check.py`). Logged as `hint/...` and said
             in one line at step 0. "always": every hint is used (the check still runs and is
             logged). Needs `max_staleness` 0 unless "always".
+        teacher_replies: which replies of a trusted group the teacher heads act on.
+            "below_mean" (default): only those that scored below their group's mean reward
+            (a negative Dr. GRPO advantage), so a group whose replies all score the same has
+            no teacher (`hint_check.below_mean_rows`); logged as `hint/teacher_fraction`.
+            "all": every hinted reply (the behaviour before).
         hint_placebo: give every hinted turn the hint of a different problem of the batch (a
             seeded shuffle between groups): the control that shows a hint's gain comes from
             what it says, not from the extra teacher signal.
@@ -213,6 +224,7 @@ class RolloutCallback(L.Callback):
         hinted_replies: HintedReplies | None = None,
         hint_trust: HintTrust = "knows_better",
         hint_placebo: bool = False,
+        teacher_replies: TeacherReplies = "below_mean",
     ):
         check_settings(
             group_size=group_size,
@@ -260,6 +272,11 @@ class RolloutCallback(L.Callback):
             )
         self.hinted_replies = hinted_replies
         self.hint_trust, self.hint_placebo = hint_trust, bool(hint_placebo)
+        if teacher_replies not in TEACHER_REPLIES:
+            raise ValueError(
+                f"rollout.teacher_replies must be one of {TEACHER_REPLIES}, got {teacher_replies!r}"
+            )
+        self.teacher_replies = teacher_replies
         self._first_hint_check: StepMetrics | None = None  # the step-0 line's figures
         self._fingerprints: dict[int, Fingerprint] = {}  # the trainer's, by version
         self._samples: list[dict[str, Any]] = []
@@ -479,7 +496,11 @@ class RolloutCallback(L.Callback):
         first, self._first_hint_check = self._first_hint_check, None
         # a rank that failed stops every rank, here; at step 0 the hint check's figures too
         reduced = agree(first, error=error)
-        line = hint_line(reduced, self.hint_trust, self.hint_placebo) if first else None
+        line = (
+            hint_line(reduced, self.hint_trust, self.hint_placebo, self.teacher_replies)
+            if first
+            else None
+        )
         if line and trainer.is_global_zero:
             print(line, flush=True)
         every = self.samples_every_n_steps
@@ -534,6 +555,7 @@ class RolloutCallback(L.Callback):
             hinted=hinted,
             check=check,
             placebo_seed=self._seed + 3 * 10**9 + step if self.hint_placebo else None,
+            teacher_replies=self.teacher_replies,
         )
         rollout, built, self._samples = build_rollout(batch, made.episodes, plan)
         version, gen_time = made.version, made.gen_time

@@ -21,7 +21,7 @@ import torch
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.prompts import PromptBatch
 from composer_lightning.rollout.episodes import Episode
-from composer_lightning.rollout.hint_check import HintCheck, checked_hints
+from composer_lightning.rollout.hint_check import HintCheck, below_mean_rows, checked_hints
 from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import provider_components, provider_logs, provider_values
@@ -69,6 +69,8 @@ class RolloutPlan:
         hinted: samples hinted replies (`hinted.py`); None: none.
         check: trusts the teacher only where it knows better (`hint_check.py`); None: always.
         placebo_seed: gives every turn another problem's hint (`hint_check.placebo_hints`).
+        teacher_replies: "below_mean": the teacher only on the replies below their group's
+            mean reward (`hint_check.below_mean_rows`); "all": on every hinted reply.
     """
 
     tokenizer: Any
@@ -84,6 +86,7 @@ class RolloutPlan:
     hinted: HintedSampler | None = None
     check: HintCheck | None = None
     placebo_seed: int | None = None
+    teacher_replies: str = "all"
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Outcomes:
         rewards: per live episode (None: no usable score).
         asked: the live episodes whose outcome the score provider gave (the others had their
             environment's), in the order of its calls.
+        failures: the score provider's failed calls among them (their rewards are None).
         parts: each reward function's own values and weights (GDPO), or None.
         logged: the reward functions' metrics, `name -> (value, weight)`.
         extras: their per-episode columns, by live episode.
@@ -134,7 +138,8 @@ def build_rollout(
     from their hinted context (`hinted.py`), as `RolloutBatch.hinted`. With
     `plan.placebo_seed` every hint is first replaced by another problem's
     (`hint_check.placebo_hints`); with `plan.check`, a teacher context is made only in the
-    groups whose hinted teacher knows better (`hint_check.py`).
+    groups whose hinted teacher knows better (`hint_check.py`); with `plan.teacher_replies`
+    "below_mean", only on their replies below the group's mean reward.
 
     Returns:
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
@@ -185,6 +190,9 @@ def build_rollout(
         plan.score,
         plan.teacher,
     )
+    if plan.teacher_replies == "below_mean" and plan.teacher:
+        row_hints, below = below_mean_rows(row_hints, row_rewards, groups)
+        check_metrics.include(below)
     keep, counts = dispatch(
         [r is not None for r in row_rewards], [h is not None for h in row_hints]
     )

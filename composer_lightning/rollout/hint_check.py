@@ -19,6 +19,13 @@ The same check, logged every step (`hint/teacher_accuracy`, `hint/student_accura
 `hint/knows_better`, `hint/gated_fraction`), says at step 0 in one line whether the hint helps
 on this task, before an hour is spent.
 
+Within a trusted group, `rollout.teacher_replies: below_mean` (the default) gives the teacher
+only the replies that scored below their group's mean reward: the replies Dr. GRPO's advantage
+already pushes down, which the teacher then tells where to go (`below_mean_rows`). A group whose
+replies all score the same (all wrong, as most are early on) has no teacher: there RL alone has
+no signal and a teacher that is only right more often than the student was measured to lengthen
+the replies and stall the reward (docs/benchmarks/composition.md). `all` gives it every reply.
+
 The placebo (`rollout.hint_placebo`) gives each hinted turn the hint of a different problem of
 the same batch: the control that shows a gain comes from what the hint says, not from the extra
 teacher signal (`placebo_hints`).
@@ -47,6 +54,39 @@ from composer_lightning.tasks.base import ScoreProvider
 #: `rollout.hint_trust`: where a teacher head reads the hint.
 HintTrust = Literal["knows_better", "always"]
 HINT_TRUST: tuple[str, ...] = ("knows_better", "always")
+#: `rollout.teacher_replies`: which replies of a trusted group the teacher heads act on.
+TeacherReplies = Literal["below_mean", "all"]
+TEACHER_REPLIES: tuple[str, ...] = ("below_mean", "all")
+
+
+def below_mean_rows(
+    row_hints: list[Any], rewards: list[float | None], groups: list[int]
+) -> tuple[list[Any], StepMetrics]:
+    """The rows' teacher hints kept only on the replies that scored below their group's mean
+    reward (a negative Dr. GRPO advantage, `r < mean`); the others lose theirs and stay RL
+    samples. A row without a reward keeps its hint (the teacher is its only signal), and the
+    mean is over the group's rows that have one.
+
+    Returns:
+        The kept hints, and `hint/teacher_fraction`: the share of hinted rows that keep one.
+    """
+    totals: dict[int, list[float]] = {}
+    for r, g in zip(rewards, groups, strict=True):
+        if r is not None:
+            totals.setdefault(g, []).append(r)
+    mean = {g: sum(v) / len(v) for g, v in totals.items()}
+    kept = [
+        h if h is not None and (r is None or r < mean[g] - 1e-9 * max(1.0, abs(mean[g]))) else None
+        for h, r, g in zip(row_hints, rewards, groups, strict=True)
+    ]
+    hinted = sum(h is not None for h in row_hints)
+    metrics = StepMetrics()
+    metrics.mean(
+        "hint/teacher_fraction",
+        sum(h is not None for h in kept) / max(hinted, 1),
+        weight=float(hinted),
+    )
+    return kept, metrics
 
 
 def placebo_hints(hints: list[Any], groups: list[int], seed: int) -> list[Any]:
@@ -229,9 +269,12 @@ def checked_hints(
     return hints, rows, metrics
 
 
-def hint_line(reduced: dict[str, float], trust: str, placebo: bool) -> str | None:
+def hint_line(
+    reduced: dict[str, float], trust: str, placebo: bool, replies: str = "all"
+) -> str | None:
     """The step-0 line that says whether the hint helps the teacher on this task, from the
-    check's metrics reduced over ranks; None when nothing was checked."""
+    check's metrics reduced over ranks (`replies`: `rollout.teacher_replies`); None when
+    nothing was checked."""
     checked = int(reduced.get("hint/checked", 0))
     unchecked = int(reduced.get("hint/unchecked", 0))
     what = "hints of other problems (placebo)" if placebo else "the hint"
@@ -256,9 +299,15 @@ def hint_line(reduced: dict[str, float], trust: str, placebo: bool) -> str | Non
         f"{teacher:.3f} on {checked} problems with a hint, {student:.3f} without it (better on "
         f"{better}, worse on {worse}): {what} {verdict} the teacher on this task; "
     )
+    which = (
+        ", on their replies below the group's mean reward (rollout.teacher_replies: all for "
+        "every reply)"
+        if replies == "below_mean"
+        else ""
+    )
     if trust == "knows_better":
         return line + (
             f"teacher signals act on the {better} problem(s) where the hinted teacher knows "
-            "better (rollout.hint_trust: always uses every hint)"
+            f"better{which} (rollout.hint_trust: always uses every hint)"
         )
-    return line + "every hint is used (rollout.hint_trust: always)"
+    return line + f"every hint is used (rollout.hint_trust: always){which}"
