@@ -212,7 +212,7 @@ def test_the_step_zero_line_says_whether_the_hint_helps():
     assert "the hint does NOT help" in hint_line(useless, "knows_better", False)
     assert "placebo" in hint_line(useless, "always", True)
     assert "every hint is used" in hint_line(useless, "always", False)
-    assert "replies below the group's mean reward" in hint_line(
+    assert "replies below their group's mean reward" in hint_line(
         helps, "knows_better", 0, "below_mean"
     )
     assert "mean reward" not in hint_line(helps, "knows_better", False, "all")

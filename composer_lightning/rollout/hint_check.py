@@ -299,15 +299,13 @@ def hint_line(
         f"{teacher:.3f} on {checked} problems with a hint, {student:.3f} without it (better on "
         f"{better}, worse on {worse}): {what} {verdict} the teacher on this task; "
     )
-    which = (
-        ", on their replies below the group's mean reward (rollout.teacher_replies: all for "
-        "every reply)"
-        if replies == "below_mean"
-        else ""
-    )
+    which, every = "", ""
+    if replies == "below_mean":
+        which = ", on the replies below their group's mean reward"
+        every = "; rollout.teacher_replies: all, on every reply"
     if trust == "knows_better":
         return line + (
             f"teacher signals act on the {better} problem(s) where the hinted teacher knows "
-            f"better{which} (rollout.hint_trust: always uses every hint)"
+            f"better{which} (rollout.hint_trust: always uses every hint{every})"
         )
-    return line + f"every hint is used (rollout.hint_trust: always){which}"
+    return line + f"every hint is used{which} (rollout.hint_trust: always{every})"
