@@ -296,6 +296,11 @@ def test_turns_are_rows_with_the_episode_reward_and_their_own_hint():
         row["messages"][1]["hint"] == "error: use CALL good" and row["messages"][3]["hint"] is None
     )
     assert row["reward"] == 1.0 and row["status"] == "done"
+    # by default (below the mean) the error turn keeps its hint although its episode succeeded:
+    # a turn with a next state is not judged by the outcome (it is the teacher's to teach)
+    plan = RolloutPlan(TOK, 16, VerifierScore(), hint=ToolErrorHint(), teacher_replies="below_mean")
+    below, _, _ = build_rollout(_batch(eps[0]), eps, plan)
+    assert below.has_teacher.tolist() == [True, False, False, False, False]
 
 
 def test_a_batch_whose_every_episode_failed_stops_with_one_error():

@@ -73,6 +73,30 @@ def test_the_teacher_keeps_only_the_replies_below_their_groups_mean():
     assert below_mean_rows([None, None], [0.0, 1.0], [0, 0])[0] == [None, None]
 
 
+def test_a_turn_with_a_next_state_keeps_its_hint_and_is_not_in_the_mean():
+    """Two episodes of one problem, each a tool turn (its episode's outcome, not judged) then a
+    last turn: outcomes 1 and 0. Only the failed episode's last turn is below the mean (0.5 over
+    the two last turns, not over all four rows); both tool turns keep their error hints, the
+    successful episode's too (the teacher is a tool turn's only per-turn signal). A turn with a
+    score of its own (judged, 0.2) joins the baseline: the mean is 0.4 and 0.2 is below it."""
+    hints = ["tool error", "h", "tool error", "h"]
+    rewards = [1.0, 1.0, 0.0, 0.0]
+    judged = [False, True, False, True]
+    kept, _ = below_mean_rows(hints, rewards, [0] * 4, judged)
+    assert kept == ["tool error", None, "tool error", "h"]
+    kept, _ = below_mean_rows(["h"] * 3, [1.0, 0.0, 0.2], [0] * 3, [True] * 3)
+    assert kept == [None, "h", "h"]
+    # episodes of 3, 1 and 1 turns (outcomes 0.6, 0.5, 0.3): the baseline is 1.4 / 3 over the
+    # last turns; over every row it would be 2.6 / 5 = 0.52 and would keep the 0.5 episode's
+    kept, _ = below_mean_rows(
+        [None, None, "h", "h", "h"],
+        [0.6, 0.6, 0.6, 0.5, 0.3],
+        [0] * 5,
+        [False, False, True, True, True],
+    )
+    assert kept == [None, None, None, None, "h"]
+
+
 def test_by_default_the_callback_gives_the_teacher_only_the_replies_below_the_mean(tokenizer):
     """Group 0 has one right reply of two: only the wrong one reads the teacher; group 1 is
     all wrong (Dr. GRPO has no signal there) and reads none; with "all" every hinted reply

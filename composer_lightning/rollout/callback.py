@@ -191,7 +191,8 @@ class RolloutCallback(L.Callback):
         teacher_replies: which replies of a trusted group the teacher heads act on.
             "below_mean" (default): only those that scored below their group's mean reward
             (a negative Dr. GRPO advantage), so a group whose replies all score the same has
-            no teacher (`hint_check.below_mean_rows`); logged as `hint/teacher_fraction`.
+            no teacher, and a turn with a next state keeps its hint (`hint_check.below_mean_rows`);
+            logged as `hint/teacher_fraction`.
             "all": every hinted reply (the behaviour before).
         hint_placebo: give every hinted turn the hint of a different problem of the batch (a
             seeded shuffle between groups): the control that shows a hint's gain comes from

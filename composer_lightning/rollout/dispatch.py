@@ -191,7 +191,8 @@ def build_rollout(
         plan.teacher,
     )
     if plan.teacher_replies == "below_mean" and plan.teacher:
-        row_hints, below = below_mean_rows(row_hints, row_rewards, groups)
+        judged = [own[k] or ref.last for k, ref in enumerate(refs)]  # Dr. GRPO's baseline
+        row_hints, below = below_mean_rows(row_hints, row_rewards, groups, judged)
         check_metrics.include(below)
     keep, counts = dispatch(
         [r is not None for r in row_rewards], [h is not None for h in row_hints]

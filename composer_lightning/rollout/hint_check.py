@@ -24,7 +24,9 @@ only the replies that scored below their group's mean reward: the replies Dr. GR
 already pushes down, which the teacher then tells where to go (`below_mean_rows`). A group whose
 replies all score the same (all wrong, as most are early on) has no teacher: there RL alone has
 no signal and a teacher that is only right more often than the student was measured to lengthen
-the replies and stall the reward (docs/benchmarks/composition.md). `all` gives it every reply.
+the replies and stall the reward (docs/benchmarks/composition.md). A turn with a next state (a
+tool call, rewarded with its episode's outcome) keeps its hint: the outcome does not judge it,
+and the teacher is its only per-turn signal. `all` gives the teacher every reply.
 
 The placebo (`rollout.hint_placebo`) gives each hinted turn the hint of a different problem of
 the same batch: the control that shows a gain comes from what the hint says, not from the extra
@@ -60,24 +62,39 @@ TEACHER_REPLIES: tuple[str, ...] = ("below_mean", "all")
 
 
 def below_mean_rows(
-    row_hints: list[Any], rewards: list[float | None], groups: list[int]
+    row_hints: list[Any],
+    rewards: list[float | None],
+    groups: list[int],
+    judged: list[bool] | None = None,
 ) -> tuple[list[Any], StepMetrics]:
     """The rows' teacher hints kept only on the replies that scored below their group's mean
     reward (a negative Dr. GRPO advantage, `r < mean`); the others lose theirs and stay RL
-    samples. A row without a reward keeps its hint (the teacher is its only signal), and the
-    mean is over the group's rows that have one.
+    samples.
+
+    The mean is over the group's judged rows (`judged`: the reward is the score of the row's
+    own reply: a single-turn reply, an episode's last turn, a turn with a score of its own),
+    the entries of Dr. GRPO's group baseline. A row that is not judged (a turn with a next
+    state, rewarded with its episode's outcome: the teacher is its only per-turn signal) or has
+    no reward keeps its hint.
 
     Returns:
         The kept hints, and `hint/teacher_fraction`: the share of hinted rows that keep one.
     """
+    judged = [True] * len(rewards) if judged is None else judged
     totals: dict[int, list[float]] = {}
-    for r, g in zip(rewards, groups, strict=True):
-        if r is not None:
+    for r, g, j in zip(rewards, groups, judged, strict=True):
+        if r is not None and j:
             totals.setdefault(g, []).append(r)
     mean = {g: sum(v) / len(v) for g, v in totals.items()}
+
+    def below(r: float | None, g: int, j: bool) -> bool:
+        if r is None or not j or g not in mean:
+            return True
+        return r < mean[g] - 1e-9 * max(1.0, abs(mean[g]))
+
     kept = [
-        h if h is not None and (r is None or r < mean[g] - 1e-9 * max(1.0, abs(mean[g]))) else None
-        for h, r, g in zip(row_hints, rewards, groups, strict=True)
+        h if h is not None and below(r, g, j) else None
+        for h, r, g, j in zip(row_hints, rewards, groups, judged, strict=True)
     ]
     hinted = sum(h is not None for h in row_hints)
     metrics = StepMetrics()
