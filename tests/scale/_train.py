@@ -127,6 +127,7 @@ if rollouts:  # the real rollout path: tiny policy, HF engine on every rank, pro
             hint=RankHint(candidates=2) if uneven else VerifierHint(candidates=2),
             hint_role="user",  # as these runs were set up: the clip binds on every step
             hinted_replies=HintedReplies(temperature=0.0),
+            teacher_replies="all",  # likewise (below the mean the norm falls under the clip)
         )
     ]
 
