@@ -1,7 +1,7 @@
 """What a training step costs on a real model, part by part and head set by head set.
 
     python bench/step_cost.py [--model smollm2|tiny] [--sets dr_grpo opd sdpo replay_dpo all lora]
-        [--steps 6] [--max-tokens 48] [--threads 2]
+        [--steps 6] [--max-tokens 48] [--threads 2] [--padding free|padded|both]
 
 Each head set trains `--steps` steps of the chat arithmetic task in a process of its own,
 strictly on policy (k = 0: generate, update, push in turn) on `--threads` threads with the vLLM
@@ -23,6 +23,11 @@ old log-probs when there are several updates, the reference, the hinted teacher)
 surrogate), `backward`, `optimizer`, `push` (weights into the engine, fingerprint included) and
 `other` (the step minus those: canary, metrics, Lightning). Medians after the warm-up steps;
 `RSS` is the process's peak.
+
+`--padding`: the step's forwards padding-free (`free`, the library's default: rows of like length
+per forward, `training/padfree.py`), as one padded forward each (`padded`), or `both`, each set
+twice with the padded run's ratio to the free one. `pad %` is the share of the policy forward's
+tokens that are right padding in the padded layout (rows × longest row), the work `free` saves.
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ def _heads(names: list[str]) -> list[Any]:
     return [make[n]() for n in names]
 
 
-def worker(name: str, policy: str, task: str, steps: int, max_tokens: int) -> dict:
+def worker(
+    name: str, policy: str, task: str, steps: int, max_tokens: int, padding_free: bool = True
+) -> dict:
     """One head set's run in this process: its median step and parts."""
     import lightning as L
     import torch
@@ -108,6 +115,14 @@ def worker(name: str, policy: str, task: str, steps: int, max_tokens: int) -> di
         (torch.optim.AdamW, "step", "optimizer"),
     ]:
         setattr(owner, attr, wrap(label, getattr(owner, attr)))
+    padded: list[float] = []  # per step: the share of the batch's tokens that are padding
+    targets = ComposerModule.rollout_targets
+
+    def measured_padding(self: Any, rb: Any, *args: Any, **kw: Any) -> Any:
+        padded.append(1.0 - float(rb.attention_mask.float().mean()))
+        return targets(self, rb, *args, **kw)
+
+    ComposerModule.rollout_targets = measured_padding  # type: ignore[method-assign]
     starts: list[float] = []
 
     class Clock(L.Callback):  # first in the list: its start comes before generation
@@ -130,6 +145,7 @@ def worker(name: str, policy: str, task: str, steps: int, max_tokens: int) -> di
         optimizer=lambda p: torch.optim.AdamW(p, lr=5e-6),
         aggregation="token_sum_norm",
         peft=peft,
+        padding_free=padding_free,
     )
     callback = RolloutCallback(
         VLLMEngine(seed=0, kv_cache_gib=1),
@@ -158,17 +174,18 @@ def worker(name: str, policy: str, task: str, steps: int, max_tokens: int) -> di
     parts = {p: statistics.median([t.get(p, 0.0) for t in measured]) for p in PARTS}
     parts["other"] = step - sum(parts.values())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
-    return {"step_s": step, "parts_s": parts, "rss_gib": rss}
+    pad = statistics.median(padded[WARMUP:]) if len(padded) > WARMUP else float("nan")
+    return {"step_s": step, "parts_s": parts, "rss_gib": rss, "padded": pad}
 
 
-def run(name: str, args: argparse.Namespace) -> dict:
+def run(name: str, args: argparse.Namespace, padding_free: bool = True) -> dict:
     """`worker` in a fresh interpreter on `--threads` threads (the engine's too)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     policy = SMOLLM2 if args.model == "smollm2" else "composer_lightning/assets/tiny_policy"
     cmd = [
         sys.executable, __file__, "--worker", name, "--policy", policy, "--task", args.task,
         "--steps", str(args.steps), "--max-tokens", str(args.max_tokens),
-    ]  # fmt: skip
+    ] + ([] if padding_free else ["--padded"])  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -186,32 +203,52 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--task", default="chat_arithmetic")
+    ap.add_argument("--padding", choices=["free", "padded", "both"], default="free")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--policy", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        result = worker(args.worker, args.policy, args.task, args.steps, args.max_tokens)
+        result = worker(
+            args.worker, args.policy, args.task, args.steps, args.max_tokens, not args.padded
+        )
         print(json.dumps(result))
         return
     if args.steps <= WARMUP:
         raise SystemExit(f"--steps must be > {WARMUP} (the warm-up), got {args.steps}")
     load = os.getloadavg()[0]
     results = {}
+    modes = {"free": [True], "padded": [False], "both": [True, False]}[args.padding]
     for name in args.sets:
-        results[name] = run(name, args)
-        print(f"{name}: {results[name]['step_s']:.2f} s/step", flush=True)
+        for free in modes:
+            label = name if free or args.padding == "padded" else f"{name} (padded)"
+            results[label] = run(name, args, padding_free=free)
+            print(f"{label}: {results[label]['step_s']:.2f} s/step", flush=True)
     print(
         f"\n{args.model} on {args.task}: 8 prompts x 4, at most {args.max_tokens} new tokens, "
         f"k = 0 on {args.threads} threads, median of {args.steps - WARMUP} steps after "
         f"{WARMUP}; load {load:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
     base = results.get("dr_grpo")
-    print(f"| set | s/step | vs dr_grpo | {' | '.join(PARTS)} | other | RSS GiB |")
-    print("|---|---|---|" + "---|" * (len(PARTS) + 2))
+    print(f"| set | s/step | vs dr_grpo | {' | '.join(PARTS)} | other | RSS GiB | pad % |")
+    print("|---|---|---|" + "---|" * (len(PARTS) + 3))
     for name, r in results.items():
         ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "—"
         parts = " | ".join(f"{r['parts_s'][p]:.2f}" for p in (*PARTS, "other"))
-        print(f"| {name} | {r['step_s']:.2f} | {ratio} | {parts} | {r['rss_gib']:.1f} |")
+        pad = 100 * r["padded"]
+        print(
+            f"| {name} | {r['step_s']:.2f} | {ratio} | {parts} | {r['rss_gib']:.1f} | {pad:.0f} |"
+        )
+    for name in args.sets:
+        if args.padding == "both":
+            free, padded = results[name], results[f"{name} (padded)"]
+            update = ("targets", "forward", "backward")
+            cost = [sum(r["parts_s"][p] for p in update) for r in (padded, free)]
+            print(
+                f"{name}: padded / padding-free step {padded['step_s'] / free['step_s']:.2f}x, "
+                f"targets + forward + backward {cost[0] / cost[1]:.2f}x "
+                f"({100 * padded['padded']:.0f} % of the padded tokens are padding)"
+            )
 
 
 if __name__ == "__main__":

@@ -204,12 +204,21 @@ SMOKES = {
             *(rf"^\| {p} \| optimizer \| {POS} \| 0 \| 0 \| — \| — \|$" for p in ("fp32", "bf16")),
         ),
     ),
-    # every head of the tiny policy for 3 steps (1 timed): every part of the step timed (the
-    # "vs dr_grpo" column needs the dr_grpo set, a second run of the same code: "—" without it)
+    # every head of the tiny policy for 3 steps (1 timed), padding-free and padded: every part
+    # of the step timed (the "vs dr_grpo" column needs the dr_grpo set, a second run of the same
+    # code: "—" without it), the padding's share and the padded run's ratio
     "step_cost": Smoke(
         "step_cost.py",
-        "--model tiny --task arithmetic --sets all --steps 3 --max-tokens 8 --threads 1",
-        (rf"^\| all \| {POS} \| — \|( {NUM} \|){{9}} {POS} \|$",),
+        "--model tiny --task arithmetic --sets all --steps 3 --max-tokens 8 --threads 1 "
+        "--padding both",
+        (
+            *(
+                rf"^\| {s} \| {POS} \| — \|( {NUM} \|){{9}} {POS} \| \d+ \|$"
+                for s in ("all", r"all \(padded\)")
+            ),
+            rf"^all: padded / padding-free step {POS}x, targets \+ forward \+ backward {POS}x "
+            r"\(\d+ % of the padded tokens are padding\)$",
+        ),
         vllm=True,
     ),
     # the on-policy run and the bounds (generation alone, training alone), full fine-tune;

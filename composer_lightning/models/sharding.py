@@ -62,6 +62,13 @@ def shard_frozen(model: nn.Module, dp_mesh: DeviceMesh, precision: str) -> None:
     _shard(model, dp_mesh, precision, reshard_root=True)
 
 
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether `model` is sharded by FSDP2's `fully_shard` (its every forward a collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def full_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """`weight` whole, in the forward's compute `dtype`: a sharded (DTensor) parameter is
     all-gathered (a collective), a plain tensor is returned as is."""

@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from composer_lightning.models.sharding import is_fsdp2
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.training.forward import (
     Forwards,
@@ -59,7 +60,7 @@ def outputs(
         values = by_piece(mb, plan, "student", forward)
     leaves = {k: v.requires_grad_() for k, v in values.items()}
     head = weight[0]
-    if ("hidden" in leaves or states) and _fsdp2(f.policy):
+    if ("hidden" in leaves or states) and is_fsdp2(f.policy):
         # FSDP2's gathered LM head lives only around a forward: a copy stands in for it (a
         # leaf that collects the gradient, unless the head is frozen: LoRA)
         head = head.detach().clone().requires_grad_(head.requires_grad)
@@ -92,7 +93,7 @@ def backward(
         leaves = {k: getattr(scores, k) for k in _PER_TOKEN if getattr(scores, k) is not None}
     head: Tensor | None = scores.lm_head_weight
     stand_in = scores.hidden is not None or scores.states is not None
-    if not stand_in or not _fsdp2(policy) or not scores.lm_head_weight.requires_grad:
+    if not stand_in or not is_fsdp2(policy) or not scores.lm_head_weight.requires_grad:
         head = None  # no stand-in copy: any gradient is in the parameter already
     with gradient_sync(policy, False):
         run_backward(loss)
@@ -121,10 +122,3 @@ def backward(
                 outs.append(live_head)  # the LM head's own use: SDPO's, or all with `states`
                 ins.append(head.grad.to(live_head.dtype))
             torch.autograd.backward(outs, ins)
-
-
-def _fsdp2(model: nn.Module) -> bool:
-    """Whether `model` is sharded by FSDP2's `fully_shard`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)

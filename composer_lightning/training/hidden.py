@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from composer_lightning.models.sharding import full_weight
+from composer_lightning.models.sharding import full_weight, is_fsdp2
+from composer_lightning.training import padfree
 
 #: fp32 elements of one chunk's logits on CPU (8 MiB): a chunk's JSD holds ≈ 15 such tensors
 #: at once, and glibc's heap keeps what it freed. At 64 MiB a step's peak was 1.45 GiB, at 8 MiB
@@ -45,7 +46,8 @@ def final_hidden(
     """`[B, T, H]` final hidden states and the `[V, H]` LM-head weight of a causal LM.
 
     Position ids follow the attention mask (left padding). Only the last position's logits are
-    computed by the model itself (`logits_to_keep=1`).
+    computed by the model itself (`logits_to_keep=1`). Right padding costs no decoder work: the
+    rows run as forwards of like length (`padfree.py`), but for a model FSDP2 shards.
     """
     # (torch types an nn.Module's attributes as Tensor | Module: an HF method is "not callable")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
@@ -54,18 +56,25 @@ def final_hidden(
             f"{type(model).__name__} must be an HF-style causal LM with an LM head "
             "without bias (`get_output_embeddings()`)"
         )
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        output_hidden_states=True,
-        logits_to_keep=1,
-    )
+
+    def forward(ids: Tensor, attn: Tensor) -> Tensor:
+        position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=position_ids,
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        return out.hidden_states[-1]
+
+    if padfree.enabled() and not is_fsdp2(model):
+        states = padfree.grouped_states(forward, input_ids, attention_mask)
+    else:
+        states = forward(input_ids, attention_mask)
     # read after the forward: under FSDP2 the policy root's unsharded weight, a frozen root's
     # shard (gathered here)
-    states = out.hidden_states[-1]
     return states, full_weight(model.get_output_embeddings().weight, states.dtype)  # type: ignore[operator]
 
 

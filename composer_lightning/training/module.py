@@ -49,7 +49,7 @@ from composer_lightning.runtime.resume import (
     ConfiguredOptimizer,
     leave_frozen_out,
 )
-from composer_lightning.training import accumulate
+from composer_lightning.training import accumulate, padfree
 from composer_lightning.training.canary import (
     CANARY_METRICS,
     OutOfSyncError,
@@ -163,6 +163,10 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             minibatch); None: no row limit. Both None: one forward per minibatch.
         chunk_size: tokens per LM-head chunk; None: ≈ 8 MiB of fp32 logits per chunk on CPU (64 MiB
             on an accelerator), at least H / 8 tokens.
+        padding_free: the step's forwards run the rows as a few forwards of like length, each
+            cut to its longest row, so the decoder does no work on right padding; the loss and
+            gradients are the padded step's (`padfree.py`; TRL's `padding_free`). A model FSDP2
+            shards runs one forward regardless. False: one padded forward each.
         activation_checkpointing: keep only each decoder layer's input for the backward and
             recompute the rest (HF gradient checkpointing): far less activation memory for
             about one more forward of the layers.
@@ -229,6 +233,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         max_tokens_per_micro_batch: int | None = None,
         micro_batch_size: int | None = None,
         chunk_size: int | None = None,
+        padding_free: bool = True,
         activation_checkpointing: bool = False,
         loss_mode: LossMode = "clip",
         importance_sampling_level: RatioLevel = "token",
@@ -303,6 +308,9 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         leave_frozen_out(self, keep=("reference",) if self.reference_sync.enabled else ())
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.norm_length, self.chunk_size = norm_length, chunk_size
+        if not isinstance(padding_free, bool):
+            raise ValueError(f"padding_free must be true or false, got {padding_free!r}")
+        self.padding_free = padding_free
         self.configured_temperature = temperature  # None: the sampler's (RolloutCallback.setup)
         self.temperature = 1.0 if temperature is None else temperature
         self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
@@ -424,6 +432,10 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
 
     # ----------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        with padfree.padding_free(self.padding_free):
+            return self._training_step(batch)
+
+    def _training_step(self, batch: Any) -> Tensor:
         rb = batch.rollout if isinstance(batch, PromptBatch) else batch
         if not isinstance(rb, RolloutBatch):
             raise TypeError(
