@@ -48,6 +48,7 @@ from composer_lightning.rollout.checks import (
     check_hinted_replies,
     check_inputs,
     check_settings,
+    check_teacher_replies,
     follow_the_sampling_temperature,
     setting_changes,
 )
@@ -65,7 +66,6 @@ from composer_lightning.rollout.generation import (
     tensor_parallel_group,
 )
 from composer_lightning.rollout.hint_check import (
-    TEACHER_REPLIES,
     HintCheck,
     HintTrust,
     TeacherReplies,
@@ -273,10 +273,7 @@ class RolloutCallback(L.Callback):
             )
         self.hinted_replies = hinted_replies
         self.hint_trust, self.hint_placebo = hint_trust, bool(hint_placebo)
-        if teacher_replies not in TEACHER_REPLIES:
-            raise ValueError(
-                f"rollout.teacher_replies must be one of {TEACHER_REPLIES}, got {teacher_replies!r}"
-            )
+        check_teacher_replies(teacher_replies)
         self.teacher_replies = teacher_replies
         self._first_hint_check: StepMetrics | None = None  # the step-0 line's figures
         self._fingerprints: dict[int, Fingerprint] = {}  # the trainer's, by version

@@ -18,7 +18,7 @@ import lightning as L
 from composer_lightning.chat import HINT_ROLES
 from composer_lightning.engines.base import GREEDY_BELOW, RolloutEngine, SamplingConfig
 from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
-from composer_lightning.rollout.hint_check import HINT_TRUST
+from composer_lightning.rollout.hint_check import HINT_TRUST, TEACHER_REPLIES
 from composer_lightning.runtime.distributed import most
 from composer_lightning.runtime.errors import ConfigError
 from composer_lightning.runtime.inputs import (
@@ -62,6 +62,14 @@ def check_hinted_replies(pl_module: L.LightningModule, hinted_replies: Any) -> N
         raise ConfigError(
             "rollout.hinted_replies is set, and no head with a non-zero weight imitates the "
             "replies: add a context_distill head, or drop rollout.hinted_replies"
+        )
+
+
+def check_teacher_replies(replies: str) -> None:
+    """`rollout.teacher_replies` is one of `TEACHER_REPLIES`: a ValueError naming it."""
+    if replies not in TEACHER_REPLIES:
+        raise ValueError(
+            f"rollout.teacher_replies must be one of {TEACHER_REPLIES}, got {replies!r}"
         )
 
 

@@ -21,7 +21,12 @@ import torch
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.prompts import PromptBatch
 from composer_lightning.rollout.episodes import Episode
-from composer_lightning.rollout.hint_check import HintCheck, below_mean_rows, checked_hints
+from composer_lightning.rollout.hint_check import (
+    HintCheck,
+    TeacherReplies,
+    below_mean_rows,
+    checked_hints,
+)
 from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
 from composer_lightning.rollout.providers import provider_components, provider_logs, provider_values
@@ -51,6 +56,10 @@ def dispatch(has_reward: list[bool], has_teacher: list[bool]) -> tuple[list[int]
 @dataclass(frozen=True)
 class RolloutPlan:
     """How a rollout batch is built from its episodes (the rollout callback's settings).
+
+    Its defaults leave each filter off (no hint check, no placebo, the teacher on every hinted
+    reply): the plain dispatch a direct caller composes. The library's defaults (the check, the
+    teacher below the group's mean) are `RolloutCallback`'s, which fills every field.
 
     Attributes:
         tokenizer: the policy's tokenizer.
@@ -86,7 +95,7 @@ class RolloutPlan:
     hinted: HintedSampler | None = None
     check: HintCheck | None = None
     placebo_seed: int | None = None
-    teacher_replies: str = "all"
+    teacher_replies: TeacherReplies = "all"
 
 
 @dataclass
