@@ -2,7 +2,7 @@
 
     python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2] [--hidden 896]
     python bench/memory.py --shapes 16x160 --hidden 64 --mmap-threshold
-    python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512]
+    python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512] [--repeats 5]
     python bench/memory.py --smoke [--micro-rows 4]
 
 A Qwen2.5-0.5B-wide policy (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV heads,
@@ -39,6 +39,8 @@ unmapped each time: less resident memory, more page faults.
 `--micro-rows`: the same step on rollout batches of growing size at a fixed length, one forward
 per minibatch vs micro-batches under a fixed token budget (`max_tokens_per_micro_batch`): the
 micro-batched step's peak memory and time per token should stay flat in the batch size.
+`--repeats N` runs each of them in N processes and takes the median peak and time: the peak
+moves between identical runs (1.01–1.34 GiB at 32 x 160, docs/benchmarks/memory.md).
 
 `--smoke`: the same runs on a policy of tiny widths (`SMOKE_WIDTHS`), one step of 4 x 32 on
 one thread (`--micro-rows`: T = 32, micro-batches of 64 tokens): a check that every path of the
@@ -55,9 +57,12 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -330,6 +335,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["16x256", "32x512"])
     ap.add_argument("--steps", type=int, default=2, help="measured steps per run (median time)")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="--micro-rows: processes per run (median peak)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--memory-gib",
@@ -488,29 +496,56 @@ def widths_for(smoke: bool, hidden: int | None) -> dict:
     return dict(SMOKE_WIDTHS, vocab_size=QWEN_WIDTHS["vocab_size"], hidden_size=hidden)
 
 
+def repeated(n: int, one_run: Callable[[], dict]) -> dict:
+    """`one_run()` in `n` processes: the first run's figures with the median peak RSS and step
+    time, and `peaks` (every run's peak: the peak moves between identical runs, glibc's heap);
+    the first failed run as is."""
+    runs = []
+    for _ in range(n):
+        r = one_run()
+        if "error" in r:
+            return r
+        runs.append(r)
+    out = dict(runs[0])
+    out["peak_GiB"] = statistics.median(r["peak_GiB"] for r in runs)
+    out["step_s"] = statistics.median(r["step_s"] for r in runs)
+    out["peaks"] = [r["peak_GiB"] for r in runs]
+    return out
+
+
 def micro_table(args: argparse.Namespace) -> list[dict]:
     """Peak RSS and time per token of a step as the rollout batch grows: one forward per
     minibatch (the baseline) vs micro-batches under a fixed token budget, each its own process."""
     ckpt, smoke = not args.no_checkpointing, args.smoke
     rows = []
     for B in args.micro_rows:
-        one = run("chunked", B, args.micro_T, args.steps, args.threads, ckpt, smoke, args.hidden)
-        micro = run(
-            f"micro{args.micro_tokens}",
-            B,
-            args.micro_T,
-            args.steps,
-            args.threads,
-            ckpt,
-            smoke,
-            args.hidden,
+        one = repeated(
+            args.repeats,
+            partial(
+                run, "chunked", B, args.micro_T, args.steps, args.threads, ckpt, smoke, args.hidden
+            ),
+        )
+        micro = repeated(
+            args.repeats,
+            partial(
+                run,
+                f"micro{args.micro_tokens}",
+                B,
+                args.micro_T,
+                args.steps,
+                args.threads,
+                ckpt,
+                smoke,
+                args.hidden,
+            ),
         )
         rows.append((B, one, micro))
         print(json.dumps({"B": B, "one": one, "micro": micro}), file=sys.stderr)
     print(
         f"policy {widths_for(smoke, args.hidden)} + frozen reference copy; AdamW; "
         f"{args.threads} thread(s); T = {args.micro_T}; micro-batches of <= "
-        f"{args.micro_tokens} padded tokens; median of {args.steps} step(s); activation "
+        f"{args.micro_tokens} padded tokens; median of {args.steps} step(s); peak and time "
+        f"the median of {args.repeats} process(es); activation "
         f"checkpointing {'on' if ckpt else 'off'}"
     )
     print(
@@ -530,6 +565,12 @@ def micro_table(args: argparse.Namespace) -> list[dict]:
             f"{one['losses'][0]:.6f} | {micro['losses'][0]:.6f} |"
         )
     ok = [(one, micro) for _, one, micro in rows if first_error(one, micro) is None]
+    if args.repeats > 1:
+        for one, micro in ok:
+            ranges = [f"{min(r['peaks']):.2f}–{max(r['peaks']):.2f}" for r in (one, micro)]
+            print(
+                f"{one['B']} samples, peak RSS over the runs: one {ranges[0]} GiB, micro {ranges[1]} GiB"
+            )
     if len(ok) > 1:
         peaks = [m["peak_GiB"] for _, m in ok]
         print(

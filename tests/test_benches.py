@@ -161,8 +161,11 @@ SMOKES = {
     ),
     "memory_micro": Smoke(
         "memory.py",
-        "--smoke --micro-rows 4",
-        (rf"^\| 4 \| {NUM} GiB \| .* \| (?P<one>{NUM}) \| (?P<micro>{NUM}) \|$",),
+        "--smoke --micro-rows 4 --repeats 2",
+        (
+            rf"^\| 4 \| {NUM} GiB \| .* \| (?P<one>{NUM}) \| (?P<micro>{NUM}) \|$",
+            rf"^4 samples, peak RSS over the runs: one {NUM}–{NUM} GiB, micro {NUM}–{NUM} GiB$",
+        ),
         agree=("one", "micro"),
     ),
     # 1 and 2 clients, 2 requests of 2 tokens, through the endpoint batched and one at a time
