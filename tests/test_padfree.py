@@ -18,6 +18,7 @@ from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.sdpo import SDPOHead
 from composer_lightning.training import hidden, padfree
 from composer_lightning.training.hidden import final_hidden
+from composer_lightning.training.microbatch import lengths
 from composer_lightning.training.module import ComposerModule
 from tests.helpers import quiet_trainer, tiny_model
 
@@ -152,7 +153,7 @@ def test_a_padding_free_step_is_the_padded_step(monkeypatch):
     forward = padfree.grouped_states
 
     def counted(fn, ids, attn):
-        calls.append(len(padfree.length_groups(_widths(attn), 0)))
+        calls.append(len(padfree.length_groups(lengths(attn).tolist(), 0)))
         return forward(fn, ids, attn)
 
     monkeypatch.setattr(padfree, "grouped_states", counted)
@@ -165,11 +166,6 @@ def test_a_padding_free_step_is_the_padded_step(monkeypatch):
         torch.testing.assert_close(got[name], w, rtol=0, atol=1e-10, msg=name)
     start = tiny_model(seed=1).state_dict()
     assert any(not torch.equal(w, start[n]) for n, w in want.items())
-
-
-def _widths(attn: torch.Tensor) -> list[int]:
-    cols = torch.arange(1, attn.shape[1] + 1)
-    return (attn.bool() * cols).amax(dim=1).clamp(min=1).tolist()
 
 
 def test_padding_free_must_be_a_bool():

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from composer_lightning.training.microbatch import lengths
+
 #: a forward's fixed cost in tokens of forward and backward: SmolLM2-135M on one CPU thread
 #: took 0.73 s for 1 x 64 tokens and 2.22 s for 4 x 64, at 7.7 ms a token in large batches
 #: (30-45 tokens' worth); rounded up, since a smaller matmul also runs slower
@@ -93,9 +95,8 @@ def grouped_states(
     """`[B, T, H]` final hidden states of a right-padded batch from one `forward(ids, mask)`
     per `length_groups` group, each cut to its longest row; zeros past a row's last attended
     token. One group of every row at full width is the plain padded forward."""
-    B, T = input_ids.shape
-    cols = torch.arange(1, T + 1, device=attention_mask.device)
-    widths = (attention_mask.bool() * cols).amax(dim=1).clamp(min=1).tolist()
+    T = input_ids.shape[1]
+    widths = lengths(attention_mask).tolist()
     groups = length_groups(widths, FORWARD_COST_TOKENS)
     if len(groups) == 1 and max(widths) == T:
         return forward(input_ids, attention_mask)
