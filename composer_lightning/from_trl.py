@@ -537,11 +537,9 @@ class Host:
         """The machine converting, taken as the one that will train (the notes say so)."""
         import torch  # here, not at the top: only a bf16 decision needs it
 
-        bf16 = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        return cls(
-            gpu=torch.cuda.is_available(),
-            cpu_bf16=any(getattr(torch.cpu, name, lambda: False)() for name in bf16),
-        )
+        from composer_lightning.runtime.cpu_precision import cpu_bf16_units
+
+        return cls(gpu=torch.cuda.is_available(), cpu_bf16=cpu_bf16_units() is not None)
 
 
 def _trainer(

@@ -2,7 +2,8 @@
 
 Over LightningCLI it adds the `rollout:` section, a run directory named after the config
 (`runs/<config name>`), the run report at the end of every fit, the checks before a fit starts
-(`runtime/command_line.py`), and one line instead of a traceback for a configuration error or
+(`runtime/command_line.py`), bf16 on CPU only where the CPU has bf16 units
+(`runtime/cpu_precision.py`), and one line instead of a traceback for a configuration error or
 one of the run's own stops. `run` builds it and runs the command; `cli.main` calls it, so a
 command that is not Lightning's never imports Lightning.
 """
@@ -31,6 +32,7 @@ from composer_lightning.runtime.command_line import (
     run_summary,
 )
 from composer_lightning.runtime.config_errors import config_error_line
+from composer_lightning.runtime.cpu_precision import resolve_cpu_precision
 from composer_lightning.runtime.distributed import RankError
 from composer_lightning.runtime.errors import ConfigError, storage_error
 from composer_lightning.runtime.overrides import is_overlay
@@ -82,12 +84,14 @@ class ComposerCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         section = self.config.get(str(self.subcommand)) if self.subcommand else self.config
-        say = one_run_dir(
-            section.get("trainer") if section is not None else None,
-            os.path.join("runs", self._run_name()),
-        )
-        if say and rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # set on import
-            print(f"composer_lightning: {say}", flush=True)
+        trainer = section.get("trainer") if section is not None else None
+        said = [
+            one_run_dir(trainer, os.path.join("runs", self._run_name())),
+            resolve_cpu_precision(trainer),  # bf16 on CPU only where it has bf16 units
+        ]
+        for say in said:
+            if say and rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # set on import
+                print(f"composer_lightning: {say}", flush=True)
 
     def _run_name(self) -> str:
         files = (self.config.get(str(self.subcommand), self.config) or {}).get("config") or []
