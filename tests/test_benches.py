@@ -189,7 +189,7 @@ SMOKES = {
         "precision_gap.py",
         "--steps 2 --engines float32 --trainers bf16-mixed",
         (
-            rf"^\| float32 \| bf16-mixed \| {NUM}e-\d+ \| {NUM}e-\d+ \| {NUM}e-\d+ \| 0.05 \| {POS}× \|$",
+            rf"^\| float32 \| bf16-mixed \| {NUM}e-\d+ \| {NUM}e-\d+ \| {NUM}e-\d+ \| 0.2 \| {POS}× \|$",
         ),
         vllm=True,
     ),

@@ -128,3 +128,22 @@ def test_a_batch_of_mixed_versions_is_compared_on_the_rows_these_weights_sampled
         check_canary(rb, old, max_logprob_gap=1e-3, stale=True)
     rb.on_policy_rows = torch.zeros_like(rows)
     assert check_canary(rb, old, max_logprob_gap=1e-3, stale=True).local() == {}
+
+
+@pytest.mark.parametrize(
+    ("trainer", "engine", "threshold"),
+    [
+        ("32-true", "float32", 1e-3),
+        ("64-true", "float64", 1e-3),
+        ("32-true", "bfloat16", 0.2),  # SmolLM2's worst step 0.054 here
+        ("bf16-mixed", "float32", 0.2),  # 0.065
+        ("bf16-mixed", "bfloat16", 0.2),  # 0.036
+        ("32-true", None, 0.2),  # an engine that does not say: not assumed exact
+    ],
+)
+def test_the_default_threshold_follows_both_sides_precision(trainer, engine, threshold):
+    """fp32 on both sides: 1e-3; bf16 on either side: 0.2, above SmolLM2's measured healthy
+    gaps (`bench/precision_gap.py`), which the 0.05 before stopped."""
+    from composer_lightning.training.canary import default_max_logprob_gap
+
+    assert default_max_logprob_gap(trainer, engine) == threshold
