@@ -12,6 +12,7 @@ and either way the launch says so in one line. `COMPOSER_CPU_BF16=1` keeps an em
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 #: The mixed bf16 precisions this check applies to (Lightning's spellings).
@@ -41,7 +42,7 @@ def _on_cpu(accelerator: Any) -> bool:
 
 
 def resolve_cpu_precision(
-    trainer: Any, units: str | None = None, env: dict[str, str] | None = None
+    trainer: Any, units: str | None = None, env: Mapping[str, str] | None = None
 ) -> str | None:
     """Keep `bf16-mixed` on a CPU with bf16 units; make it `32-true` on one without.
 
@@ -64,8 +65,7 @@ def resolve_cpu_precision(
             f"trainer.precision bf16-mixed on this CPU's bf16 units ({units}): fp32 master "
             "weights and optimizer state, bf16 matmuls"
         )
-    env = os.environ if env is None else env
-    if env.get("COMPOSER_CPU_BF16") == "1":
+    if (os.environ if env is None else env).get("COMPOSER_CPU_BF16") == "1":
         return (
             "trainer.precision bf16-mixed kept (COMPOSER_CPU_BF16=1) on a CPU without bf16 "
             "units (AVX512-BF16 or AMX): emulated, several times slower than 32-true"
