@@ -7,8 +7,8 @@ for a stale batch (overlapped generation) a recompute with that version's publis
 (0.03–0.07 on SmolLM2 with bf16 on either side); in fp32 an engine that missed one push after
 a step at lr 1e-4 shows 0.009–0.03, a long-stale one ≈0.2. The default threshold follows the
 precision (`default_max_logprob_gap`), so in fp32 a lost push stops the run at the next step.
-The gap is reduced over ranks: a rank whose engine is out of sync stops every rank in the same step. A NaN or inf
-where the canary looks (log-probs on either side) stops the run the same way.
+The gap is reduced over ranks: a rank whose engine is out of sync stops every rank in the same
+step. A NaN or inf where the canary looks (log-probs on either side) stops the run the same way.
 
 Beside the gap, the engine's weight fingerprint for the version that generated the batch is
 compared with the trainer's, exactly (`engines/fingerprint.py`): that sees one lost push at any
