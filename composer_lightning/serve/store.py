@@ -521,6 +521,18 @@ class TurnStore:
             db.executemany("UPDATE turns SET state = 'trained' WHERE id = ?", [(i,) for i in now])
             return len(now)
 
+    def give_back(self, ids: list[int]) -> int:
+        """Hand the `taken` turns among `ids` back to training (`judged`): a step that took
+        them stopped before it trained (a stop while its batch was still filling). Returns
+        how many."""
+        with self._write() as db:
+            return sum(
+                db.execute(
+                    "UPDATE turns SET state = 'judged' WHERE id = ? AND state = 'taken'", (int(i),)
+                ).rowcount
+                for i in ids
+            )
+
     def untrain(self, keep: list[int] | None) -> int:
         """Hand back to training (`judged`) the turns taken by steps that the weights a run
         starts from do not hold; call it at every start.

@@ -421,6 +421,7 @@ class ServeCallback(RolloutCallback):
         turns: list[Any] = []
         while len(turns) < self.batch_size:
             if _signalled(trainer):  # stop while waiting: the last whole step is saved
+                self.store.give_back([t.id for t in turns])  # and this one never trains
                 raise SIGTERMException()
             taken = self.store.take_judged(self.batch_size - len(turns), stale=self._stale(version))
             turns += taken

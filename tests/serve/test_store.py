@@ -314,6 +314,24 @@ def test_a_turn_is_trained_only_once_a_checkpoint_holds_it(tmp_path):
     assert [store.get(i).state for i in ids] == ["trained"] * 4 + ["judged"] * 2
 
 
+def test_a_step_stopped_while_filling_gives_its_turns_back(tmp_path):
+    """A stop (SIGTERM) while a step's batch is still filling: the turns it took go back to
+    `judged` at once, so no turn stays `taken` by a step that never trains (the CI saw turns
+    stuck `taken` after a clean stop under load); a trained turn is not touched."""
+    store = TurnStore(tmp_path / "turns.db")
+    ids = [_record(store, f"s{i}", [USER], "r") for i in range(4)]
+    for i in range(4):
+        store.end_session(f"s{i}")
+    for t in store.claim_ready(10, claimant="j"):
+        store.set_judged(t.id, 1.0, None, claimant="j")
+    trained = [t.id for t in store.take_judged(1)]
+    store.confirm_trained(trained)
+    partial = [t.id for t in store.take_judged(2)]
+    assert store.give_back([*partial, *trained]) == 2
+    assert [store.get(i).state for i in ids] == ["trained", "judged", "judged", "judged"]
+    assert [t.id for t in store.take_judged(3)] == partial + ids[3:]
+
+
 def test_take_judged_never_splits_a_group_to_fill_a_batch(tmp_path):
     store = TurnStore(tmp_path / "turns.db")
     first = _record(store, "a", [USER], "x")
@@ -346,3 +364,35 @@ def test_the_store_is_readable_by_its_owner_only(tmp_path):
         assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_sigterm_while_a_batch_fills_hands_its_turns_back(tmp_path):
+    """`ServeCallback.take` with a stop arriving after it took 1 of the 2 turns it waits for:
+    it raises Lightning's SIGTERMException and the turn it took is `judged` again."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from composer_lightning.serve.training import ServeCallback
+
+    store = TurnStore(tmp_path / "turns.db")
+    only = _record(store, "s", [USER], "r")
+    store.end_session("s")
+    for t in store.claim_ready(10, claimant="j"):
+        store.set_judged(t.id, 1.0, None, claimant="j")
+    trainer = SimpleNamespace(
+        callbacks=[], _signal_connector=SimpleNamespace(received_sigterm=False)
+    )
+
+    def take_judged(limit, stale=None):  # the stop arrives once a turn is taken
+        got = TurnStore.take_judged(store, limit, stale=stale)
+        trainer._signal_connector.received_sigterm = True
+        return got
+
+    owner = SimpleNamespace(
+        batch_size=2, poll_s=0.0, _stale=lambda version: None,
+        store=SimpleNamespace(take_judged=take_judged, give_back=store.give_back),
+    )  # fmt: skip
+    with pytest.raises(SIGTERMException):
+        ServeCallback.take(owner, trainer, version=0)
+    assert store.get(only).state == "judged"
