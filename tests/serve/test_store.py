@@ -21,6 +21,16 @@ def _record(store: TurnStore, session: str, messages: list, reply: str, version:
     return store.record(session, messages, [1, 2], [3, 4], reply, [-0.5, -0.25], version)
 
 
+def _judged(store: TurnStore, n: int) -> list[int]:
+    """`n` one-turn sessions `s0`.. recorded, ended and judged (reward 1): their ids."""
+    ids = [_record(store, f"s{i}", [USER], "r") for i in range(n)]
+    for i in range(n):
+        store.end_session(f"s{i}")
+    for t in store.claim_ready(10, claimant="j"):
+        store.set_judged(t.id, 1.0, None, claimant="j")
+    return ids
+
+
 def _child(code: str) -> subprocess.Popen:
     """A Python process running `code` with `TurnStore` in scope (store.py is loaded by path:
     it needs only the standard library, and the package would import torch)."""
@@ -291,11 +301,7 @@ def test_a_turn_is_trained_only_once_a_checkpoint_holds_it(tmp_path):
     exactly the turns it holds."""
     db = tmp_path / "turns.db"
     store = TurnStore(db)
-    ids = [_record(store, f"s{i}", [USER], "r") for i in range(6)]
-    for i in range(6):
-        store.end_session(f"s{i}")
-    for t in store.claim_ready(10, claimant="j"):
-        store.set_judged(t.id, 1.0, None, claimant="j")
+    ids = _judged(store, 6)
     step1 = [t.id for t in store.take_judged(2)]
     assert store.confirm_trained(step1) == 2  # a checkpoint holding step 1 was written
     step2 = [t.id for t in store.take_judged(2)]  # no checkpoint holds step 2
@@ -319,11 +325,7 @@ def test_a_step_stopped_while_filling_gives_its_turns_back(tmp_path):
     `judged` at once, so no turn stays `taken` by a step that never trains (the CI saw turns
     stuck `taken` after a clean stop under load); a trained turn is not touched."""
     store = TurnStore(tmp_path / "turns.db")
-    ids = [_record(store, f"s{i}", [USER], "r") for i in range(4)]
-    for i in range(4):
-        store.end_session(f"s{i}")
-    for t in store.claim_ready(10, claimant="j"):
-        store.set_judged(t.id, 1.0, None, claimant="j")
+    ids = _judged(store, 4)
     trained = [t.id for t in store.take_judged(1)]
     store.confirm_trained(trained)
     partial = [t.id for t in store.take_judged(2)]
@@ -376,10 +378,7 @@ def test_a_sigterm_while_a_batch_fills_hands_its_turns_back(tmp_path):
     from composer_lightning.serve.training import ServeCallback
 
     store = TurnStore(tmp_path / "turns.db")
-    only = _record(store, "s", [USER], "r")
-    store.end_session("s")
-    for t in store.claim_ready(10, claimant="j"):
-        store.set_judged(t.id, 1.0, None, claimant="j")
+    (only,) = _judged(store, 1)
     trainer = SimpleNamespace(
         callbacks=[], _signal_connector=SimpleNamespace(received_sigterm=False)
     )
