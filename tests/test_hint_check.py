@@ -234,7 +234,10 @@ def test_the_step_zero_line_says_whether_the_hint_helps():
     assert "the hint helps the teacher" in line and "act on the 9 problem(s)" in line
     useless = helps | {"hint/knows_better": 1.0, "hint/knows_worse": 2.0}
     assert "the hint does NOT help" in hint_line(useless, "knows_better", False)
-    assert "placebo" in hint_line(useless, "always", True)
+    assert "hints of other problems (placebo) do NOT help the teacher" in hint_line(
+        useless, "always", True
+    )
+    assert "hints of other problems (placebo) help the teacher" in hint_line(helps, "always", True)
     assert "every hint is used" in hint_line(useless, "always", False)
     assert "replies below their group's mean reward" in hint_line(
         helps, "knows_better", 0, "below_mean"

@@ -300,7 +300,7 @@ def hint_line(
             return None
         return (
             f"hint check: {unchecked} hinted turn(s) have no score of their own (tool calls), so "
-            f"whether {what} helps cannot be checked; "
+            f"whether {what} {'help' if placebo else 'helps'} cannot be checked; "
             + (
                 "their teacher signal is off (rollout.hint_trust: always uses it unchecked)"
                 if trust == "knows_better"
@@ -310,7 +310,11 @@ def hint_line(
     teacher, student = reduced["hint/teacher_accuracy"], reduced["hint/student_accuracy"]
     better = int(reduced.get("hint/knows_better", 0))
     worse = int(reduced.get("hint/knows_worse", 0))
-    verdict = "helps" if better > worse else "does NOT help"
+    helps = better > worse
+    if placebo:  # "hints of other problems": a plural verb
+        verdict = "help" if helps else "do NOT help"
+    else:
+        verdict = "helps" if helps else "does NOT help"
     line = (
         f"hint check, first batch: told {what}, the policy's greedy reply scores "
         f"{teacher:.3f} on {checked} problems with a hint, {student:.3f} without it (better on "
