@@ -295,12 +295,13 @@ def hint_line(
     checked = int(reduced.get("hint/checked", 0))
     unchecked = int(reduced.get("hint/unchecked", 0))
     what = "hints of other problems (placebo)" if placebo else "the hint"
+    helps, does_not = ("help", "do NOT help") if placebo else ("helps", "does NOT help")
     if not checked:
         if not unchecked:
             return None
         return (
             f"hint check: {unchecked} hinted turn(s) have no score of their own (tool calls), so "
-            f"whether {what} {'help' if placebo else 'helps'} cannot be checked; "
+            f"whether {what} {helps} cannot be checked; "
             + (
                 "their teacher signal is off (rollout.hint_trust: always uses it unchecked)"
                 if trust == "knows_better"
@@ -310,11 +311,7 @@ def hint_line(
     teacher, student = reduced["hint/teacher_accuracy"], reduced["hint/student_accuracy"]
     better = int(reduced.get("hint/knows_better", 0))
     worse = int(reduced.get("hint/knows_worse", 0))
-    helps = better > worse
-    if placebo:  # "hints of other problems": a plural verb
-        verdict = "help" if helps else "do NOT help"
-    else:
-        verdict = "helps" if helps else "does NOT help"
+    verdict = helps if better > worse else does_not
     line = (
         f"hint check, first batch: told {what}, the policy's greedy reply scores "
         f"{teacher:.3f} on {checked} problems with a hint, {student:.3f} without it (better on "
