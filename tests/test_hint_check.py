@@ -21,6 +21,7 @@ from composer_lightning.rollout.hint_check import (
     below_mean_rows,
     hint_line,
     placebo_hints,
+    teacher_bars,
 )
 from composer_lightning.tasks import VerifierScore
 from tests.test_hinted_replies import _Engine, _Hint, _reply
@@ -119,6 +120,47 @@ def test_by_default_the_callback_gives_the_teacher_only_the_replies_below_the_me
         assert rollout.has_teacher.tolist() == teacher
         assert rollout.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # every reply still an RL sample
     assert metrics.local()["dispatch/opd_rl"] == 3
+
+
+def test_below_the_teacher_a_group_in_bars_compares_with_its_teachers_score():
+    """Hand-derived: group 0 (1, 0; bar 1) keeps the 0, as below the mean; group 1 (all 0, bar
+    1: all wrong, the teacher right) keeps both, where below the mean keeps none; group 2 (all
+    1, bar 1) keeps none; group 3 (0.2, 0.6, bar 0.5) keeps the 0.2 (below its mean 0.4 too);
+    group 4 has no bar (unchecked): below its mean, the 0.0."""
+    hints = ["h"] * 10
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.2, 0.6, 0.0, 1.0]
+    groups = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    bars = {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5, 7: 1.0}  # a bar of a group with no row: unused
+    kept, metrics = below_mean_rows(hints, rewards, groups, bars=bars)
+    assert kept == [None, "h", "h", "h", None, None, "h", None, "h", None]
+    assert metrics.local()["hint/teacher_fraction"] == pytest.approx(5 / 10)
+    below_mean, _ = below_mean_rows(hints, rewards, groups)
+    assert below_mean == [None, "h", None, None, None, None, "h", None, "h", None]
+    # a bar of 0 (the teacher wrong too, `hint_trust: always`): no reply is below it
+    assert below_mean_rows(["h", "h"], [0.0, 0.0], [0, 0], bars={0: 0.0})[0] == [None, None]
+
+
+def test_below_the_teacher_reads_the_checks_own_scores(tokenizer):
+    """Two groups, each teacher right and student wrong (trusted): group 0 has one right reply
+    of two, group 1 none. Below the mean only group 0's wrong reply reads the teacher; below
+    the teacher, group 1's two too (Dr. GRPO has no signal there, the teacher does)."""
+    problems = PROBLEMS[:2]
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
+    outs = [[_reply(tokenizer, "2"), _reply(tokenizer, "9")], [_reply(tokenizer, "9")] * 2]
+    episodes = one_turn_episodes(problems, batch.prompt_ids, outs, tokenizer)
+    for replies, teacher, fraction in (
+        ("below_mean", [False, True, False, False], 1 / 3),
+        ("below_teacher", [False, True, True, True], 3 / 3),
+    ):
+        check, _ = _check(tokenizer, ["2", "7"], ["3", "6"])
+        plan = RolloutPlan(
+            tokenizer, 4, VerifierScore(), hint=_Hint(), hint_role="user", check=check
+        )
+        rollout, metrics, _ = build_rollout(batch, episodes, replace(plan, teacher_replies=replies))
+        assert rollout.has_teacher.tolist() == teacher
+        assert metrics.local()["hint/teacher_fraction"] == pytest.approx(fraction)
+    assert teacher_bars(check) == {0: 1.0, 1: 1.0}
+    assert teacher_bars(None) == {}
 
 
 # ---------------------------------------------------------------- the check

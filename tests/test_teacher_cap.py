@@ -41,6 +41,10 @@ def test_the_scales_by_hand():
     no_rest = torch.zeros(4, 4, dtype=torch.float64)
     no_rest[1, 1] = 16.0
     assert teacher_cap_scales(no_rest, names, {"opd", "sdpo"}, 0.5)["opd"] == 0.0
+    alone = teacher_cap_scales(no_rest, names, {"opd", "sdpo"}, 0.5, alone=0.3)
+    assert alone == {"rl": 1.0, "opd": 0.3, "kl": 1.0, "sdpo": 1.0}  # sdpo: no gradient
+    # with a rest gradient, `alone` changes nothing
+    assert teacher_cap_scales(gram, names, {"opd", "sdpo"}, 0.5, alone=0.3) == scales
 
 
 def _case(rl_scale: float, teacher_scale: float):
@@ -59,8 +63,9 @@ def _case(rl_scale: float, teacher_scale: float):
     return batch, ctx, [Fixed("rl", a1), FixedTeacher("opd", a2)]
 
 
+@pytest.mark.parametrize("alone", [0.0, 0.25])
 @pytest.mark.parametrize("rl_scale,teacher_scale", [(1.0, 5.0), (1.0, 0.1), (0.0, 5.0)])
-def test_a_teacher_pulls_at_most_cap_times_the_rest(rl_scale, teacher_scale):
+def test_a_teacher_pulls_at_most_cap_times_the_rest(rl_scale, teacher_scale, alone):
     batch, ctx, heads = _case(rl_scale, teacher_scale)
     weights = {"rl": 1.0, "opd": 1.0}
     plain = Objective(heads, aggregation="token_mean", teacher_cap=None)
@@ -68,15 +73,18 @@ def test_a_teacher_pulls_at_most_cap_times_the_rest(rl_scale, teacher_scale):
         plain.pieces(batch, ctx, plain.head_outputs(batch, ctx, weights), weights), [ctx.states]
     )
     g_rl, g_t = pieces["rl"][0], pieces["opd"][0]
-    want = min(1.0, 0.5 * float(g_rl.norm()) / float(g_t.norm()))
-    capped = Objective(heads, aggregation="token_mean", teacher_cap=0.5)
+    want = min(1.0, 0.5 * float(g_rl.norm()) / float(g_t.norm())) if rl_scale else alone
+    capped = Objective(heads, aggregation="token_mean", teacher_cap=0.5, teacher_alone=alone)
     loss, metrics = capped(batch, ctx, weights)
     (whole,) = torch.autograd.grad(loss, ctx.states)
     assert float(metrics["opd/weight"]) == pytest.approx(want, abs=1e-12)
     assert float(metrics["opd/cap_scale"]) == pytest.approx(want, abs=1e-12)
     torch.testing.assert_close(whole, g_rl + want * g_t, rtol=0, atol=1e-12)
-    if rl_scale == 0.0:  # no rest gradient: the teacher does not lead alone
-        assert want == 0.0 and float(whole.abs().max()) == 0.0
+    if rl_scale == 0.0 and alone == 0.0:  # no rest gradient: the teacher does not lead alone
+        assert float(whole.abs().max()) == 0.0
+    if rl_scale == 0.0 and alone:  # ... unless told to, at `alone` times its weight
+        torch.testing.assert_close(whole, alone * g_t, rtol=0, atol=1e-12)
+        assert float(g_t.abs().max()) > 0
     loss, metrics = plain(batch, ctx, weights)
     assert "opd/cap_scale" not in metrics and float(metrics["opd/weight"]) == 1.0
 
@@ -92,6 +100,9 @@ def test_a_teacher_alone_or_a_matching_option_is_not_capped():
     assert not capped.caps_teachers({"rl": 0.0, "opd": 1.0})  # the rest ramped out
     with pytest.raises(ValueError, match="teacher_cap must be a finite number >= 0 or None"):
         Objective(heads, teacher_cap=-1.0)
+    for bad in (-0.1, 1.5, float("nan"), True, "0.2"):
+        with pytest.raises(ValueError, match=r"teacher_alone must be a number in \[0, 1\], got"):
+            Objective(heads, teacher_alone=bad)
 
 
 @pytest.mark.parametrize("micro", [None, 5])

@@ -193,6 +193,9 @@ class RolloutCallback(L.Callback):
             (a negative Dr. GRPO advantage), so a group whose replies all score the same has
             no teacher, and a turn with a next state keeps its hint (`hint_check.below_mean_rows`);
             logged as `hint/teacher_fraction`.
+            "below_teacher": those that scored below the hinted teacher's own greedy reply (the
+            check's), so in a trusted group whose replies are all wrong every reply has the
+            teacher, where RL has no signal; a group the check did not score, below its mean.
             "all": every hinted reply (the behaviour before).
         hint_placebo: give every hinted turn the hint of a different problem of the batch (a
             seeded shuffle between groups): the control that shows a hint's gain comes from

@@ -26,6 +26,7 @@ from composer_lightning.rollout.hint_check import (
     TeacherReplies,
     below_mean_rows,
     checked_hints,
+    teacher_bars,
 )
 from composer_lightning.rollout.hinted import HintedSampler
 from composer_lightning.rollout.packing import pack_samples
@@ -79,7 +80,9 @@ class RolloutPlan:
         check: trusts the teacher only where it knows better (`hint_check.py`); None: always.
         placebo_seed: gives every turn another problem's hint (`hint_check.placebo_hints`).
         teacher_replies: "below_mean": the teacher only on the replies below their group's
-            mean reward (`hint_check.below_mean_rows`); "all": on every hinted reply.
+            mean reward (`hint_check.below_mean_rows`); "below_teacher": below the score of
+            the hinted teacher's own reply where `check` scored one (`hint_check.teacher_bars`),
+            else below the mean; "all": on every hinted reply.
     """
 
     tokenizer: Any
@@ -148,7 +151,8 @@ def build_rollout(
     `plan.placebo_seed` every hint is first replaced by another problem's
     (`hint_check.placebo_hints`); with `plan.check`, a teacher context is made only in the
     groups whose hinted teacher knows better (`hint_check.py`); with `plan.teacher_replies`
-    "below_mean", only on their replies below the group's mean reward.
+    "below_mean", only on their replies below the group's mean reward; "below_teacher", below
+    the hinted teacher's own reply's score.
 
     Returns:
         The rollout batch; the step's rollout metrics, each with its reduction over ranks
@@ -199,9 +203,10 @@ def build_rollout(
         plan.score,
         plan.teacher,
     )
-    if plan.teacher_replies == "below_mean" and plan.teacher:
+    if plan.teacher_replies != "all" and plan.teacher:
         judged = [own[k] or ref.last for k, ref in enumerate(refs)]  # Dr. GRPO's baseline
-        row_hints, below = below_mean_rows(row_hints, row_rewards, groups, judged)
+        bars = teacher_bars(plan.check) if plan.teacher_replies == "below_teacher" else None
+        row_hints, below = below_mean_rows(row_hints, row_rewards, groups, judged, bars)
         check_metrics.include(below)
     keep, counts = dispatch(
         [r is not None for r in row_rewards], [h is not None for h in row_hints]

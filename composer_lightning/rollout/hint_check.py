@@ -57,8 +57,8 @@ from composer_lightning.tasks.base import ScoreProvider
 HintTrust = Literal["knows_better", "always"]
 HINT_TRUST: tuple[str, ...] = ("knows_better", "always")
 #: `rollout.teacher_replies`: which replies of a trusted group the teacher heads act on.
-TeacherReplies = Literal["below_mean", "all"]
-TEACHER_REPLIES: tuple[str, ...] = ("below_mean", "all")
+TeacherReplies = Literal["below_mean", "below_teacher", "all"]
+TEACHER_REPLIES: tuple[str, ...] = ("below_mean", "below_teacher", "all")
 
 
 def below_mean_rows(
@@ -66,10 +66,14 @@ def below_mean_rows(
     rewards: list[float | None],
     groups: list[int],
     judged: list[bool] | None = None,
+    bars: dict[int, float] | None = None,
 ) -> tuple[list[Any], StepMetrics]:
     """The rows' teacher hints kept only on the replies that scored below their group's mean
     reward (a negative Dr. GRPO advantage, `r < mean`); the others lose theirs and stay RL
-    samples.
+    samples. With `bars` (`teacher_replies: below_teacher`), a group in it keeps them on the
+    replies that scored below its bar instead: the hinted teacher's own reply's score
+    (`teacher_bars`), so in a group whose replies are all wrong and whose teacher is right,
+    every reply keeps its teacher.
 
     The mean is over the group's judged rows (`judged`: the reward is the score of the row's
     own reply: a single-turn reply, an episode's last turn, a turn with a score of its own),
@@ -86,6 +90,7 @@ def below_mean_rows(
         if r is not None and j:
             totals.setdefault(g, []).append(r)
     mean = {g: sum(v) / len(v) for g, v in totals.items()}
+    mean.update({g: b for g, b in (bars or {}).items() if g in mean})
 
     def below(r: float | None, g: int, j: bool) -> bool:
         if r is None or not j or g not in mean:
@@ -104,6 +109,18 @@ def below_mean_rows(
         weight=float(hinted),
     )
     return kept, metrics
+
+
+def teacher_bars(check: HintCheck | None) -> dict[int, float]:
+    """Each checked group's bar for `teacher_replies: below_teacher`: the score of the hinted
+    teacher's own greedy reply (`HintCheck.teacher_replies`), where it has one."""
+    if check is None:
+        return {}
+    return {
+        g: float(r["teacher_reward"])
+        for g, r in check.teacher_replies.items()
+        if r.get("teacher_reward") is not None
+    }
 
 
 def placebo_hints(hints: list[Any], groups: list[int], seed: int) -> list[Any]:
@@ -320,6 +337,9 @@ def hint_line(
     which, every = "", ""
     if replies == "below_mean":
         which = ", on the replies below their group's mean reward"
+        every = "; rollout.teacher_replies: all, on every reply"
+    elif replies == "below_teacher":
+        which = ", on the replies that score below the hinted teacher's own"
         every = "; rollout.teacher_replies: all, on every reply"
     if trust == "knows_better":
         return line + (

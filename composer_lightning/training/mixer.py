@@ -65,15 +65,16 @@ def grad_norm_scales(sq_norms: dict[str, float], reference: str) -> dict[str, fl
 
 
 def teacher_cap_scales(
-    gram: Tensor, names: list[str], teachers: set[str], cap: float
+    gram: Tensor, names: list[str], teachers: set[str], cap: float, alone: float = 0.0
 ) -> dict[str, float]:
     """Per-head multipliers that cap each teacher head's pull at `cap` times the others'.
 
     With `g_h` each weighted piece's gradient (the rows of `gram`, `[H, H]`, in the order of
     `names`) and `g_rest` the sum of the pieces that read no teacher: a teacher head h is
     scaled by `min(1, cap · ‖g_rest‖ / ‖g_h‖)`, so its gradient is never more than `cap` times
-    the rest's (with no rest gradient, 0: a teacher signal never leads alone); the others keep
-    1. `cap` bounds a norm, not a direction: the pieces stay as they are otherwise.
+    the rest's; the others keep 1. With no rest gradient (no group where RL has a signal) it
+    is scaled by `alone` (0: a teacher signal never leads alone). `cap` bounds a norm, not a
+    direction: the pieces stay as they are otherwise.
     """
     rest = [i for i, n in enumerate(names) if n not in teachers]
     idx = torch.tensor(rest, dtype=torch.long)
@@ -84,6 +85,8 @@ def teacher_cap_scales(
         own = math.sqrt(max(float(gram[i, i]), 0.0))
         if name not in teachers or own == 0.0:
             scales[name] = 1.0
+        elif rest_norm == 0.0:
+            scales[name] = alone
         else:
             scales[name] = min(1.0, cap * rest_norm / own)
     return scales

@@ -131,6 +131,9 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             no gradient: a teacher's per-token signal refines what RL learns, never leads it
             alone (`Objective`). Logged as `<head>/weight` and `<head>/cap_scale`. None:
             uncapped (the behaviour before); ignored with either matching option.
+        teacher_alone: under `teacher_cap`, the teacher heads' weight scale (in [0, 1]) on a
+            minibatch where the other heads have no gradient (every group's replies score
+            the same, so RL has no signal): 0 (default) keeps the teacher out there.
         grad_share_every_n_steps: every N optimizer steps, log each head's `<head>/grad_norm`
             (‖g_h‖ at the final hidden states) and `<head>/grad_share` (<g_h, g> / ‖g‖², g the
             sum over heads: the shares sum to 1; a negative one pulls against the others),
@@ -223,6 +226,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         variance_matching: str | None = None,
         grad_norm_matching: str | None = None,
         teacher_cap: float | None = 0.2,
+        teacher_alone: float = 0.0,
         grad_share_every_n_steps: int = 0,
         ppo_epochs: int = 1,
         minibatches: int = 1,
@@ -269,6 +273,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             importance_cap=importance_cap,
             grad_norm_matching=grad_norm_matching,
             teacher_cap=teacher_cap,
+            teacher_alone=teacher_alone,
             loss_mode=loss_mode,
             importance_sampling_level=importance_sampling_level,
             sapo_temperature_pos=sapo_temperature_pos,

@@ -93,12 +93,15 @@ class Objective:
             ‖g_h‖)`, the norms of the weighted pieces' gradients at the final hidden states
             (over all ranks, detached; `mixer.teacher_cap_scales`), logged as `<head>/weight`.
             Where the rest has no gradient (no group with both a right and a wrong reply) the
-            teacher pulls 0: a teacher's per-token signal refines what RL learns, never leads
-            it alone (on SmolLM2 OPD x1 with the answer as the hint, uncapped, took held-out
-            accuracy from 0.234 to 0 in 10 steps, its token noise setting Adam's direction).
+            teacher's weight is scaled by `teacher_alone` (default 0: a teacher's per-token
+            signal refines what RL learns, never leads it alone; on SmolLM2 OPD x1 with the
+            answer as the hint, uncapped, took held-out accuracy from 0.234 to 0 in 10 steps,
+            its token noise setting Adam's direction).
             Costs one backward through the chunked LM head per head on the steps a teacher
             head reads. Applies when both a teacher head and another head have a non-zero
             weight and neither matching option is set; None: uncapped.
+        teacher_alone: the teacher heads' weight scale, in [0, 1], on a minibatch where the
+            other heads have no gradient (under `teacher_cap`; see there).
         importance_cap: for a stale batch (`ctx.behavior_logprobs` set), the surrogate's
             per-token loss is weighted by `min(exp(old − behaviour), importance_cap)`
             (truncated importance sampling, verl's `rollout_is_threshold`); None: no weights.
@@ -133,6 +136,7 @@ class Objective:
         importance_cap: float | None = 2.0,
         grad_norm_matching: str | None = None,
         teacher_cap: float | None = 0.2,
+        teacher_alone: float = 0.0,
         loss_mode: LossMode = "clip",
         importance_sampling_level: RatioLevel = "token",
         sapo_temperature_pos: float = 1.0,
@@ -192,6 +196,13 @@ class Objective:
                 f"teacher_cap must be a finite number >= 0 or None, got {teacher_cap!r}"
             )
         self.teacher_cap = teacher_cap
+        if isinstance(teacher_alone, bool) or not (
+            isinstance(teacher_alone, int | float)
+            and math.isfinite(teacher_alone)
+            and 0 <= teacher_alone <= 1
+        ):
+            raise ValueError(f"teacher_alone must be a number in [0, 1], got {teacher_alone!r}")
+        self.teacher_alone = float(teacher_alone)
         self.teachers = {h.name for h in self.heads if h.requires & TEACHER_SIGNALS}
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.aggregation, self.entropy_coef = aggregation, entropy_coef
@@ -316,7 +327,9 @@ class Objective:
                 unit = {n: float(gram[h, h]) / effective[n] ** 2 for h, n in enumerate(names)}
                 scales = grad_norm_scales(unit, self.grad_norm_matching)
             elif self.teacher_cap is not None and self.caps_teachers(weights):
-                scales = teacher_cap_scales(gram, names, self.teachers, self.teacher_cap)
+                scales = teacher_cap_scales(
+                    gram, names, self.teachers, self.teacher_cap, self.teacher_alone
+                )
                 metrics.update({f"{n}/cap_scale": scales[n] for n in names if n in self.teachers})
             if scales is not None:
                 effective = {n: w * scales[n] for n, w in effective.items()}
