@@ -22,8 +22,9 @@ import yaml
 from composer_lightning.heads.base import TEACHER_SIGNALS
 from tests.helpers import ROOT
 
-#: What a config whose heads read a hinted teacher states: `model.<key>`, and for the rollout
-#: callback (not `serve`'s, which has neither) `rollout.init_args.<key>`.
+#: What a config whose heads read a hinted teacher states: `model.<key>` (and, with a cap,
+#: `model.teacher_alone`), and for the rollout callback (not `serve`'s, which has neither)
+#: `rollout.init_args.<key>`.
 MODEL_PINS = ("teacher_cap",)
 ROLLOUT_PINS = ("hint_trust", "teacher_replies")
 ROLLOUT_CALLBACK = "composer_lightning.rollout.callback.RolloutCallback"
@@ -71,6 +72,8 @@ def unstated(config: dict) -> list[str]:
         return []
     model = config.get("model") or {}
     missing = [f"model.{key}" for key in MODEL_PINS if key not in model]
+    if model.get("teacher_cap", 0.2) is not None and "teacher_alone" not in model:
+        missing.append("model.teacher_alone")  # what the cap does where RL has no gradient
     rollout = config.get("rollout") or {}
     if rollout.get("class_path") == ROLLOUT_CALLBACK:
         args = rollout.get("init_args") or {}
@@ -102,6 +105,7 @@ def test_the_check_sees_each_kind_of_omission():
     bare = {"model": {"heads": [grpo, opd]}, "rollout": rollout}
     assert unstated(bare) == [
         "model.teacher_cap",
+        "model.teacher_alone",
         "rollout.init_args.hint_trust",
         "rollout.init_args.teacher_replies",
     ]
@@ -115,6 +119,12 @@ def test_the_check_sees_each_kind_of_omission():
     assert unstated(pinned) == []
     assert unstated({"model": {"heads": [grpo, distill]}, "rollout": rollout}) == []
     serve = {"class_path": "composer_lightning.serve.ServeCallback", "init_args": {}}
-    assert unstated({"model": {"heads": [opd]}, "rollout": serve}) == ["model.teacher_cap"]
+    assert unstated({"model": {"heads": [opd]}, "rollout": serve}) == [
+        "model.teacher_cap",
+        "model.teacher_alone",
+    ]
+    capped = merged(pinned, {"model": {"teacher_cap": 0.2}})
+    assert unstated(capped) == ["model.teacher_alone"]  # with a cap, what it does alone
+    assert unstated(merged(capped, {"model": {"teacher_alone": 0.0}})) == []
     # an overlay's heads replace its base's; its rollout keys merge into the base's
     assert merged({"a": {"b": 1, "c": [1, 2]}}, {"a": {"c": [3]}}) == {"a": {"b": 1, "c": [3]}}
