@@ -54,10 +54,13 @@ and wall time per run; writes docs/ablation.png (one panel per task; `--png` els
 docs/ablation_tool.png for `--tasks tool`). `--quick`: one seed, 10 steps (an end-to-end check).
 `--fit-arg=--KEY=VALUE` (repeatable) adds an override to every run's fit, e.g.
 `--fit-arg=--rollout.max_staleness=2`. The suite's runs read the composition options
-`configs/tiny_cpu.yaml` states (the library's defaults: the hint check, the teacher below the
-group's mean, the cap), at which a teacher never acts where every reply is wrong; the tables of
-docs/benchmarks/ablation.md were measured before them, and `--fit-arg=--rollout.hint_trust=always
---fit-arg=--rollout.teacher_replies=all --fit-arg=--model.teacher_cap=null` runs as they were.
+`configs/tiny_cpu.yaml` states (the hint check, the teacher below the group's mean, the cap with
+`teacher_alone: 0`: the main job's, as measured), at which a teacher never acts where every reply
+is wrong; `--fit-arg=--rollout.teacher_replies=below_teacher --fit-arg=--model.teacher_alone=0.2`
+runs at the library's defaults, where a right teacher acts there. The tables of
+docs/benchmarks/ablation.md were measured before any of them, and
+`--fit-arg=--rollout.hint_trust=always --fit-arg=--rollout.teacher_replies=all
+--fit-arg=--model.teacher_cap=null` runs as they were.
 
 Why this file is long: one benchmark from its table of tasks and head sets to the runs, the
 report and the plot; each part reads the others' records, and a bench is a script a user reads

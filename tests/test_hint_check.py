@@ -1,7 +1,7 @@
 """The hint check (`rollout/hint_check.py`): the teacher heads read a hint only in the groups
 whose hinted teacher knows better; the step-0 line says whether the hint helps; the placebo
 gives every hinted turn another problem's hint; by default the teacher acts only on the replies
-below their group's mean reward."""
+below the hinted teacher's own reply."""
 
 from __future__ import annotations
 
@@ -98,13 +98,13 @@ def test_a_turn_with_a_next_state_keeps_its_hint_and_is_not_in_the_mean():
     assert kept == [None, None, None, None, "h"]
 
 
-def test_by_default_the_callback_gives_the_teacher_only_the_replies_below_the_mean(tokenizer):
+def test_below_the_mean_the_teacher_has_only_the_replies_below_the_mean(tokenizer):
     """Group 0 has one right reply of two: only the wrong one reads the teacher; group 1 is
     all wrong (Dr. GRPO has no signal there) and reads none; with "all" every hinted reply
     does (the test's hint provider hints the wrong replies only)."""
     from composer_lightning.rollout.callback import RolloutCallback
 
-    assert RolloutCallback(engine=None).teacher_replies == "below_mean"
+    assert RolloutCallback(engine=None).teacher_replies == "below_teacher"
     with pytest.raises(ValueError, match=r"teacher_replies must be one of .*got 'wrong'"):
         RolloutCallback(engine=None, teacher_replies="wrong")
     problems = PROBLEMS[:2]
@@ -285,6 +285,9 @@ def test_the_step_zero_line_says_whether_the_hint_helps():
         helps, "knows_better", 0, "below_mean"
     )
     assert "mean reward" not in hint_line(helps, "knows_better", False, "all")
+    assert "on the replies that score below the hinted teacher's own" in hint_line(
+        helps, "knows_better", False, "below_teacher"
+    )
     tools = {"hint/checked": 0.0, "hint/unchecked": 4.0}
     assert "cannot be checked; their teacher signal is off" in hint_line(tools, "knows_better", 0)
     assert hint_line({}, "knows_better", False) is None

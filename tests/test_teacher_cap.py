@@ -108,8 +108,9 @@ def test_a_teacher_alone_or_a_matching_option_is_not_capped():
 @pytest.mark.parametrize("micro", [None, 5])
 def test_where_no_group_has_signal_an_opd_step_leaves_the_policy_as_it_was(micro):
     """Every group's rewards tie (no RL gradient): OPD with a live teacher on every sample
-    pulls 0 under the default cap, so an SGD step changes no weight — with and without
-    micro-batches (the step keeps the hidden states it measures at)."""
+    pulls 0 under the cap with `teacher_alone: 0`, so an SGD step changes no weight — with
+    and without micro-batches (the step keeps the hidden states it measures at). At the
+    default `teacher_alone` (0.2) the teacher moves the policy, at a fifth of its weight."""
     batch = synthetic_batch(
         torch.Generator().manual_seed(1),
         prompts=2,
@@ -127,6 +128,7 @@ def test_where_no_group_has_signal_an_opd_step_leaves_the_policy_as_it_was(micro
         optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
         max_grad_norm=None,
         micro_batch_size=micro,
+        teacher_alone=0.0,
     )
     trainer = quiet_trainer(max_steps=1)
     trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
@@ -143,3 +145,19 @@ def test_where_no_group_has_signal_an_opd_step_leaves_the_policy_as_it_was(micro
     quiet_trainer(max_steps=1).fit(uncapped, train_dataloaders=DataLoader([batch], batch_size=None))
     moved = any(not torch.equal(v, before[k]) for k, v in uncapped.policy.state_dict().items())
     assert moved  # the same step uncapped: OPD alone moves the policy
+    alone = ComposerModule(
+        tiny_model(),
+        [DrGRPOHead(), OPDHead()],
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        max_grad_norm=None,
+        micro_batch_size=micro,
+    )
+    assert alone.objective.teacher_alone == 0.2  # the default
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(alone, train_dataloaders=DataLoader([batch], batch_size=None))
+    assert float(trainer.callback_metrics["opd/cap_scale"]) == pytest.approx(0.2)
+    # SGD: the step is linear in the weight, so it is a fifth of the uncapped one
+    for k, v in alone.policy.state_dict().items():
+        torch.testing.assert_close(
+            v - before[k], 0.2 * (uncapped.policy.state_dict()[k] - before[k]), rtol=1e-5, atol=1e-7
+        )

@@ -189,14 +189,16 @@ class RolloutCallback(L.Callback):
             in one line at step 0. "always": every hint is used (the check still runs and is
             logged). Needs `max_staleness` 0 unless "always".
         teacher_replies: which replies of a trusted group the teacher heads act on.
-            "below_mean" (default): only those that scored below their group's mean reward
-            (a negative Dr. GRPO advantage), so a group whose replies all score the same has
-            no teacher, and a turn with a next state keeps its hint (`hint_check.below_mean_rows`);
-            logged as `hint/teacher_fraction`.
-            "below_teacher": those that scored below the hinted teacher's own greedy reply (the
-            check's), so in a trusted group whose replies are all wrong every reply has the
-            teacher, where RL has no signal; a group the check did not score, below its mean.
-            "all": every hinted reply (the behaviour before).
+            "below_teacher" (default): those that scored below the hinted teacher's own
+            greedy reply (the check's): in a group with right and wrong replies the wrong
+            ones, as "below_mean"; in a trusted group whose replies are all wrong, every
+            reply, where RL has no signal and the teacher is the only one (with
+            `model.teacher_alone`); a group the check did not score, below its mean. A turn
+            with a next state keeps its hint (`hint_check.below_mean_rows`); logged as
+            `hint/teacher_fraction`.
+            "below_mean": only those that scored below their group's mean reward (a negative
+            Dr. GRPO advantage), so a group whose replies all score the same has no teacher.
+            "all": every hinted reply (the behaviour before both).
         hint_placebo: give every hinted turn the hint of a different problem of the batch (a
             seeded shuffle between groups): the control that shows a hint's gain comes from
             what it says, not from the extra teacher signal.
@@ -228,7 +230,7 @@ class RolloutCallback(L.Callback):
         hinted_replies: HintedReplies | None = None,
         hint_trust: HintTrust = "knows_better",
         hint_placebo: bool = False,
-        teacher_replies: TeacherReplies = "below_mean",
+        teacher_replies: TeacherReplies = "below_teacher",
     ):
         check_settings(
             group_size=group_size,

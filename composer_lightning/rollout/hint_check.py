@@ -19,14 +19,18 @@ The same check, logged every step (`hint/teacher_accuracy`, `hint/student_accura
 `hint/knows_better`, `hint/gated_fraction`), says at step 0 in one line whether the hint helps
 on this task, before an hour is spent.
 
-Within a trusted group, `rollout.teacher_replies: below_mean` (the default) gives the teacher
-only the replies that scored below their group's mean reward: the replies Dr. GRPO's advantage
-already pushes down, which the teacher then tells where to go (`below_mean_rows`). A group whose
-replies all score the same (all wrong, as most are early on) has no teacher: there RL alone has
-no signal and a teacher that is only right more often than the student was measured to lengthen
-the replies and stall the reward (docs/benchmarks/composition.md). A turn with a next state (a
-tool call, rewarded with its episode's outcome) keeps its hint: the outcome does not judge it,
-and the teacher is its only per-turn signal. `all` gives the teacher every reply.
+Within a trusted group, `rollout.teacher_replies: below_teacher` (the default) gives the
+teacher the replies that scored below the hinted teacher's own greedy reply (the check's score,
+`teacher_bars`): in a group with right and wrong replies, the wrong ones, which Dr. GRPO's
+advantage already pushes down and the teacher then tells where to go; in a group whose replies
+are all wrong (as most are early on, where RL has no signal), every reply, when the teacher is
+right. There the teacher is the only signal, and the module's `teacher_alone` sets how hard it
+pulls. `below_mean` gives the teacher only the replies below their group's mean reward, so no
+teacher where all replies score the same (`below_mean_rows`); `all` gives it every reply,
+right ones too, which on SmolLM2 lengthened the replies and stalled the reward
+(docs/benchmarks/composition.md). A turn with a next state (a tool call, rewarded with its
+episode's outcome) keeps its hint: the outcome does not judge it, and the teacher is its only
+per-turn signal.
 
 The placebo (`rollout.hint_placebo`) gives each hinted turn the hint of a different problem of
 the same batch: the control that shows a gain comes from what the hint says, not from the extra

@@ -127,13 +127,15 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             `variance_matching`. None disables it.
         teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) pulls on the
             policy at most `teacher_cap` (default 0.2: a fifth) times as hard as the other heads
-            together (the RL signal), measured each minibatch at the final hidden states, and 0 where they have
-            no gradient: a teacher's per-token signal refines what RL learns, never leads it
-            alone (`Objective`). Logged as `<head>/weight` and `<head>/cap_scale`. None:
-            uncapped (the behaviour before); ignored with either matching option.
+            together (the RL signal), measured each minibatch at the final hidden states: a
+            teacher's per-token signal refines what RL learns (`Objective`). Logged as
+            `<head>/weight` and `<head>/cap_scale`. None: uncapped (the behaviour before);
+            ignored with either matching option.
         teacher_alone: under `teacher_cap`, the teacher heads' weight scale (in [0, 1]) on a
             minibatch where the other heads have no gradient (every group's replies score
-            the same, so RL has no signal): 0 (default) keeps the teacher out there.
+            the same, so RL has no signal and a trusted teacher is the only one): default
+            0.2, a fifth of its weight, as the cap; 0 keeps the teacher out there (the
+            behaviour before).
         grad_share_every_n_steps: every N optimizer steps, log each head's `<head>/grad_norm`
             (‖g_h‖ at the final hidden states) and `<head>/grad_share` (<g_h, g> / ‖g‖², g the
             sum over heads: the shares sum to 1; a negative one pulls against the others),
@@ -226,7 +228,7 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
         variance_matching: str | None = None,
         grad_norm_matching: str | None = None,
         teacher_cap: float | None = 0.2,
-        teacher_alone: float = 0.0,
+        teacher_alone: float = 0.2,
         grad_share_every_n_steps: int = 0,
         ppo_epochs: int = 1,
         minibatches: int = 1,
