@@ -120,42 +120,32 @@ def test_where_no_group_has_signal_an_opd_step_leaves_the_policy_as_it_was(micro
         hint_prob=1.0,
     )
     batch.rewards = torch.ones_like(batch.rewards)
-    model = tiny_model()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    module = ComposerModule(
-        model,
-        [DrGRPOHead(), OPDHead()],
-        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
-        max_grad_norm=None,
-        micro_batch_size=micro,
-        teacher_alone=0.0,
-    )
-    trainer = quiet_trainer(max_steps=1)
-    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
-    assert float(trainer.callback_metrics["opd/cap_scale"]) == 0.0
+
+    def sgd_step(**options) -> tuple[ComposerModule, dict]:
+        """One SGD step (lr 1, no clipping) of Dr. GRPO + OPD on the tiny model: the module
+        and the step's logged metrics."""
+        module = ComposerModule(
+            tiny_model(),
+            [DrGRPOHead(), OPDHead()],
+            optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+            max_grad_norm=None,
+            **options,
+        )
+        trainer = quiet_trainer(max_steps=1)
+        trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
+        return module, trainer.callback_metrics
+
+    before = {k: v.clone() for k, v in tiny_model().state_dict().items()}
+    module, metrics = sgd_step(micro_batch_size=micro, teacher_alone=0.0)
+    assert float(metrics["opd/cap_scale"]) == 0.0
     for k, v in module.policy.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
-    uncapped = ComposerModule(
-        tiny_model(),
-        [DrGRPOHead(), OPDHead()],
-        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
-        max_grad_norm=None,
-        teacher_cap=None,
-    )
-    quiet_trainer(max_steps=1).fit(uncapped, train_dataloaders=DataLoader([batch], batch_size=None))
+    uncapped, _ = sgd_step(teacher_cap=None)
     moved = any(not torch.equal(v, before[k]) for k, v in uncapped.policy.state_dict().items())
     assert moved  # the same step uncapped: OPD alone moves the policy
-    alone = ComposerModule(
-        tiny_model(),
-        [DrGRPOHead(), OPDHead()],
-        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
-        max_grad_norm=None,
-        micro_batch_size=micro,
-    )
+    alone, metrics = sgd_step(micro_batch_size=micro)
     assert alone.objective.teacher_alone == 0.2  # the default
-    trainer = quiet_trainer(max_steps=1)
-    trainer.fit(alone, train_dataloaders=DataLoader([batch], batch_size=None))
-    assert float(trainer.callback_metrics["opd/cap_scale"]) == pytest.approx(0.2)
+    assert float(metrics["opd/cap_scale"]) == pytest.approx(0.2)
     # SGD: the step is linear in the weight, so it is a fifth of the uncapped one
     for k, v in alone.policy.state_dict().items():
         torch.testing.assert_close(
