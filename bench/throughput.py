@@ -2,17 +2,20 @@
 strictly on-policy loop, TRL, and the two bounds, side by side.
 
     python bench/throughput.py [--rounds 2] [--steps 8] [--models tiny 20M]
-        [--runs k=0@2 k=1 ...] [--trl-python PYTHON] [--lora R] [--accuracy]
+        [--runs k=0@2 k=1 ...] [--trl-python PYTHON] [--lora R] [--precision fp32|bf16]
+        [--accuracy]
 
 The same batch everywhere: 8 prompts × G = 4 of the arithmetic task, Dr. GRPO only, one update
-per rollout batch, fp32, fused AdamW (lr 1e-4, no weight decay: TRL's defaults), gradient
-clipping at 1. Every row states its cores; the comparisons are at equal cores:
+per rollout batch, fused AdamW (lr 1e-4, no weight decay: TRL's defaults), gradient clipping
+at 1, the update in one precision on both sides (`--precision`: fp32, or bf16 autocast over
+fp32 master weights, `trainer.precision: bf16-mixed` here and `bf16=True` in TRL; the engine
+samples in its own dtype either way). Every row states its cores; the comparisons are at equal cores:
 - `k=1`, `k=2` (1 + 1): this library, the trainer on 1 thread and the engine in its own process
   on 1 thread, generating batch m + k while the trainer updates on batch m
   (`RolloutCallback(max_staleness=k)`);
 - `k=0@2`, `trl@2` (2): strictly on policy (generate, update, push in turn), this library and
-  TRL 1.16 (`GRPOTrainer(loss_type="dr_grpo")`, HF `generate`, fp32, no activation
-  checkpointing), one process with 2 threads: the same two cores as k ≥ 1;
+  TRL 1.16 (`GRPOTrainer(loss_type="dr_grpo")`, HF `generate`, no activation checkpointing),
+  one process with 2 threads: the same two cores as k ≥ 1;
 - `k=0@1`, `trl@1` (1): the same on one thread;
 - `gen` (1): generation alone, the engine on 1 thread doing per batch what k ≥ 1's engine
   process does (reload the weights, read their fingerprint, generate the same batches);
@@ -30,7 +33,8 @@ Models: the shipped tiny policy (≈ 3 new tokens per answer), a 20M random Llam
 the real model `setup.sh` installs: 134.5M parameters, vocab 49,152; at most 32 new tokens). Each configuration runs `--steps` steps
 in its own process; a step is timed start to start, everything in, and its time is the median
 after 3 warm-up steps; rounds alternate the order of the configurations and the table shows
-medians over rounds, with the 1-minute load average around the runs and `others' cores`, the
+medians over rounds and their spread (the fastest and slowest round), `update in` the precision
+each trainer ran the update in (Lightning's name for it; generation alone has none), with the 1-minute load average around the runs and `others' cores`, the
 cores that processes other than this bench's kept busy during them (`/proc/stat`, stolen time
 included): on a shared machine a 2-thread process slows down many times over when another
 process holds one of the two cores. `push ms` is the weight push (k = 0: vLLM's in-place
@@ -125,7 +129,7 @@ def measure(run: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [python, __file__, "--worker", run, model, "--steps", str(args.steps), "--tmp", tmp]
-    cmd += ["--lora", str(args.lora)]
+    cmd += ["--lora", str(args.lora), "--precision", args.precision]
     before, (busy, own), start = load(), cpu_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -142,7 +146,9 @@ def measure(run: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
     return out
 
 
-def worker(run: str, model: str, steps: int, tmp: str, lora: int = 0) -> dict:
+def worker(
+    run: str, model: str, steps: int, tmp: str, lora: int = 0, precision: str = "fp32"
+) -> dict:
     import throughput_runs as runs
 
     path = model_dir(model, tmp)
@@ -150,11 +156,11 @@ def worker(run: str, model: str, steps: int, tmp: str, lora: int = 0) -> dict:
     threads = RUNS[run][0]
     record = str(Path(tmp) / f"recorded_{model}.json")
     if run in TRL_RUNS:
-        return runs.trl(path, steps, max_tokens, threads, lora)
+        return runs.trl(path, steps, max_tokens, threads, lora, precision)
     if run == "gen":
         return runs.generation(path, steps, max_tokens, threads, record)
     k = None if run == "train" else int(run[2])
-    return runs.ours(path, k, steps, max_tokens, threads, record, lora)
+    return runs.ours(path, k, steps, max_tokens, threads, record, lora, precision)
 
 
 def accuracy(seeds: list[int]) -> list[str]:
@@ -214,9 +220,10 @@ def _params(n: int | None) -> str:
 def tables(args: argparse.Namespace, runs: list[str], results: dict) -> list[str]:
     """The throughput table and the split of the trainer's step, as markdown lines."""
     lines = [
-        "| model | run | cores | s/step | vs k=0@2 | vs TRL@2 | s/step ÷ max(gen, train) "
-        "| generated tok/s | push ms | logging ms | load | others' cores | trained params |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | run | cores | update in | s/step | spread | vs k=0@2 | vs TRL@2 "
+        "| s/step ÷ max(gen, train) | generated tok/s | push ms | logging ms | load "
+        "| others' cores | trained params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     split = [
         "| model | run | step ms | generate ms | wait ms | score ms | canary ms | update ms "
@@ -237,8 +244,11 @@ def tables(args: argparse.Namespace, runs: list[str], results: dict) -> list[str
             vs0 = f"{med['k=0@2'] / med[run]:.2f}x" if "k=0@2" in med else "—"
             vs_trl = f"{med['trl@2'] / med[run]:.2f}x" if "trl@2" in med else "—"
             near = f"{med[run] / bound:.2f}" if bound and run.startswith("k=") else "—"
+            steps = [x["step_s"] for x in rs]
+            spread = f"{min(steps):.3f}–{max(steps):.3f}"
             lines.append(
-                f"| {model} | {run} | {RUNS[run][1]} | {med[run]:.3f} | {vs0} | {vs_trl} | "
+                f"| {model} | {run} | {RUNS[run][1]} | {rs[0].get('precision', '—')} | "
+                f"{med[run]:.3f} | {spread} | {vs0} | {vs_trl} | "
                 f"{near} | {m('tok_s'):.0f} | {_ms(m('push_ms'))} | {_ms(m('log_ms'))} | "
                 f"{min(loads):.1f}–{max(loads):.1f} | {m('others'):.2f} | "
                 f"{_params(rs[0].get('trained'))} |"
@@ -276,6 +286,12 @@ def main() -> None:
     ap.add_argument(
         "--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tune)"
     )
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="the update's precision on both sides (bf16: autocast over fp32 master weights)",
+    )
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -286,7 +302,7 @@ def main() -> None:
     if args.steps < WARMUP + 2:  # steps are timed start to start: steps - 1 intervals
         ap.error(f"--steps {args.steps}: at least {WARMUP + 2} (the first {WARMUP} are warm-up)")
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.steps, args.tmp, args.lora)))
+        print(json.dumps(worker(*args.worker, args.steps, args.tmp, args.lora, args.precision)))
         sys.stdout.flush()
         os._exit(0)  # an in-process vLLM engine may not exit cleanly
     has_trl = subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True)
@@ -303,7 +319,7 @@ def main() -> None:
                 for run in order:
                     results.setdefault((model, run), []).append(measure(run, model, args, tmp))
     print(
-        f"\n8 prompts x G=4, Dr. GRPO, 1 update per batch, fp32, "
+        f"\n8 prompts x G=4, Dr. GRPO, 1 update per batch, {args.precision}, "
         f"{f'LoRA r {args.lora} on both sides' if args.lora else 'full fine-tune'}, "
         f"{args.steps} steps per run, "
         f"medians over {args.rounds} alternated rounds; /proc/loadavg before: {start_load}, "

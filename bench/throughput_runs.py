@@ -13,7 +13,10 @@ everything in.
   it records the completions for `training`.
 - `training`: the trainer alone on the recorded batches (an engine that replays them): score,
   update, metrics write; no generation, no push.
-- `trl`: TRL's `GRPOTrainer(loss_type="dr_grpo")` with HF `generate`, fp32.
+- `trl`: TRL's `GRPOTrainer(loss_type="dr_grpo")` with HF `generate`.
+
+`precision` is the update's on both sides: "fp32", or "bf16" (autocast over fp32 master weights:
+`trainer.precision="bf16-mixed"` here, `bf16=True` in TRL).
 """
 
 from __future__ import annotations
@@ -123,8 +126,19 @@ def _optimizer(params: Iterable) -> Any:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
 
 
+#: `--precision` → Lightning's `trainer.precision`
+PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
+
+
 def ours(
-    path: str, k: int | None, steps: int, max_tokens: int, threads: int, record: str, lora: int = 0
+    path: str,
+    k: int | None,
+    steps: int,
+    max_tokens: int,
+    threads: int,
+    record: str,
+    lora: int = 0,
+    precision: str = "fp32",
 ) -> dict:
     """This library's loop with `max_staleness` k; k None: `training`, on the batches that
     `generation` recorded in the file `record`. `lora` > 0: LoRA at that rank (the engine gets
@@ -192,6 +206,7 @@ def ours(
     )
     trainer = L.Trainer(
         accelerator="cpu",
+        precision=PRECISION[precision],
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -203,6 +218,7 @@ def ours(
     )
     trainer.fit(module, RolloutDataModule(prompts_per_step=8, val_prompts=0))
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    update_in = str(trainer.precision)  # as the trainer ran it
     times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     step = _median(times[WARMUP:])
     parts = timers.medians_ms(len(times))
@@ -211,6 +227,7 @@ def ours(
     return {
         "step_s": step,
         "trained": trained,
+        "precision": update_in,
         "tok_s": _median(tokens[WARMUP:]) / step,
         "push_ms": parts.get("push", float("nan")),
         "log_ms": parts.get("logging", float("nan")),
@@ -262,8 +279,11 @@ def generation(path: str, steps: int, max_tokens: int, threads: int, record: str
     }
 
 
-def trl(path: str, steps: int, max_tokens: int, threads: int, lora: int = 0) -> dict:
-    """TRL 1.16's GRPOTrainer, Dr. GRPO, HF generate, fp32, no activation checkpointing;
+def trl(
+    path: str, steps: int, max_tokens: int, threads: int, lora: int = 0, precision: str = "fp32"
+) -> dict:
+    """TRL 1.16's GRPOTrainer, Dr. GRPO, HF generate, no activation checkpointing, the update in
+    `precision` (bf16: TRL's own default, autocast over fp32 weights);
     `lora` > 0: its `peft_config` at that rank, the same LoraConfig as this library's rows."""
     import torch
     from datasets import Dataset
@@ -308,8 +328,8 @@ def trl(path: str, steps: int, max_tokens: int, threads: int, lora: int = 0) -> 
             report_to=[],
             use_cpu=True,
             # TRL 1.16 defaults to bf16 autocast and activation checkpointing even on CPU;
-            # this library's rows run fp32 without checkpointing
-            bf16=False,
+            # both sides run the same precision, without checkpointing
+            bf16=precision == "bf16",
             gradient_checkpointing=False,
             save_strategy="no",
             temperature=1.0,
@@ -328,8 +348,17 @@ def trl(path: str, steps: int, max_tokens: int, threads: int, lora: int = 0) -> 
         )
         trainer.train()
         trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        # as TRL's accelerator ran it, in Lightning's words
+        update_in = "bf16-mixed" if trainer.accelerator.mixed_precision == "bf16" else "32-true"
     times = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     step = _median(times[WARMUP:])
     nan = float("nan")
     tok_s = _median(lengths[WARMUP:]) / step if len(lengths) > WARMUP else nan
-    return {"step_s": step, "trained": trained, "tok_s": tok_s, "push_ms": nan, "log_ms": nan}
+    return {
+        "step_s": step,
+        "trained": trained,
+        "precision": update_in,
+        "tok_s": tok_s,
+        "push_ms": nan,
+        "log_ms": nan,
+    }

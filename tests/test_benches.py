@@ -230,31 +230,34 @@ SMOKES = {
         "throughput.py",
         "--rounds 1 --steps 5 --models tiny --runs k=0@1 gen train trl@1",
         (
-            # the table: s/step (3 decimals) and generated tok/s of every run
+            # the table: s/step (3 decimals), its spread over rounds and generated tok/s of
+            # every run
             *(
-                rf"^\| tiny \| {r} \| [^|]+ \| \d+\.\d{{3}} \|( [^|]+ \|){{3}} \d+ \|"
+                rf"^\| tiny \| {r} \| [^|]+ \| [^|]+ \| \d+\.\d{{3}} \| \d+\.\d{{3}}–\d+\.\d{{3}} \|"
+                rf"( [^|]+ \|){{3}} \d+ \|"
                 for r in ("k=0@1", "gen", "train")
             ),
             # the split of the trainer's step: every timed part was called (generate, score,
             # update on policy)
             rf"^\| tiny \| k=0@1 \| \d+ \| {POS} \| {NUM} \| {POS} \| {NUM} \| {POS} \|",
             r"^(\| tiny \| trl@1 \||TRL is not importable by )",
-            r"full fine-tune, 5 steps per run",
-            r"^\| tiny \| k=0@1 \| .* \| 0\.71M \|$",  # every parameter trained
+            r"1 update per batch, fp32, full fine-tune, 5 steps per run",
+            r"^\| tiny \| k=0@1 \| [^|]+ \| 32-true \| .* \| 0\.71M \|$",  # every parameter trained
         ),
         vllm=True,
     ),
     # LoRA on both sides: this library's rows train the adapters only (the tiny policy's full
-    # fine-tune trains 0.71M parameters; rank 4 on its projections, 0.02M); overlapped (k = 1)
+    # fine-tune trains 0.71M parameters; rank 4 on its projections, 0.02M); overlapped (k = 1),
+    # the update in bf16 on both sides
     "throughput_lora": Smoke(
         "throughput.py",
-        "--rounds 1 --steps 5 --models tiny --runs k=1 trl@1 --lora 4",
+        "--rounds 1 --steps 5 --models tiny --runs k=1 trl@1 --lora 4 --precision bf16",
         (
-            r"LoRA r 4 on both sides",
-            r"^\| tiny \| k=1 \| [^|]+ \| \d+\.\d{3} \|.* \| 0\.0[1-9]M \|$",
+            r"1 update per batch, bf16, LoRA r 4 on both sides",
+            r"^\| tiny \| k=1 \| [^|]+ \| bf16-mixed \| \d+\.\d{3} \|.* \| 0\.0[1-9]M \|$",
             # the split of the overlapped step: score, canary and update were timed
             rf"^\| tiny \| k=1 \| \d+ \| {NUM} \| {NUM} \| {POS} \| {POS} \| {POS} \|",
-            r"^(\| tiny \| trl@1 \|.* \| 0\.0[1-9]M \|$|TRL is not importable by )",
+            r"^(\| tiny \| trl@1 \| [^|]+ \| bf16-mixed \|.* \| 0\.0[1-9]M \|$|TRL is not importable by )",
         ),
         vllm=True,
     ),
