@@ -7,6 +7,7 @@ import sys
 import warnings
 
 from composer_lightning.heads import registry
+from composer_lightning.runtime.allocator import reexec_with_tcmalloc
 from composer_lightning.runtime.overrides import null_overlays
 
 USAGE = """usage: python -m composer_lightning <command> [options]
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
+    if argv is None:  # the command line: its process may take tcmalloc (runtime/allocator.py)
+        reexec_with_tcmalloc()
     serving = args[0] == "serve"  # fit, with the endpoint as the rollout side
     if serving:
         args = ["fit", *args[1:]]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from composer_lightning.runtime.allocator import find_tcmalloc
 from tests.helpers import ROOT, run_cli
 
 pytestmark = pytest.mark.slow  # every config trained through the command line
@@ -173,6 +174,8 @@ def test_main_job_with_vllm_stays_in_sync_and_logs_everything(tmp_path):
         for word in ("Traceback", " INFO ", " WARNING ", "Epoch 0", "v_num")
     )
     assert lines[0].startswith("composer_lightning: policy") and "step 4/4  reward" in out.stdout
+    # the command line re-executed itself on tcmalloc where this machine has it
+    assert (", malloc tcmalloc, " in lines[0]) == (find_tcmalloc() is not None), lines[0]
     s = _scalars(tmp_path)
     assert len(s["rollout/logprob_gap_max"]) == 4
     assert max(s["rollout/logprob_gap_max"]) < 1e-5  # every push reached the engine (fp32)

@@ -39,7 +39,9 @@ def quiet_warnings() -> None:
 
 
 def run_summary(module, trainer) -> str:
-    """`composer_lightning: <policy> (N params), heads ..., engine ..., steps ..., logs in ...`"""
+    """`composer_lightning: <policy> (N params), heads ..., engine ..., steps ..., malloc ...,
+    logs in ...`"""
+    from composer_lightning.runtime.allocator import malloc_in_use
     from composer_lightning.runtime.rundir import run_dir
 
     params = sum(p.numel() for p in module.policy.parameters())
@@ -56,7 +58,7 @@ def run_summary(module, trainer) -> str:
     return (
         f"composer_lightning: policy {module.policy_path or type(module.policy).__name__} "
         f"({size}), heads {heads}, engine {engine}, {steps} steps, "
-        f"{trainer.world_size} process(es), logs and checkpoints in {where}"
+        f"{trainer.world_size} process(es), {malloc_in_use()}, logs and checkpoints in {where}"
     )
 
 
