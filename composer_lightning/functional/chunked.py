@@ -45,6 +45,14 @@ class _LMHeadInChunks(torch.autograd.Function):
     Under autocast the matmuls run in the autocast dtype, as autocast would run them, and `fn`
     under the same autocast state in the forward and in the backward. Only `fn`'s first output
     has a gradient; the others are marked non-differentiable. Not twice differentiable.
+
+    Where `grad_fn` is given, the backward takes the logits' gradient from it,
+    `grad_fn(logits, grad[c], *rows[c], *consts)`, in place of autograd through `fn`: a few
+    fused passes for a function whose gradient is known in closed form (a log-prob's,
+    `(onehot - softmax) / T`: `logprobs_logits_grad`). Autograd through `fn` walks the `[n, V]`
+    logits about ten times (the upcast, the temperature, the floor, the log-sum-exp and their
+    backwards); in bf16 that elementwise work, not the matmuls, was most of the LM head's
+    backward: half of it on SmolLM2's 49,152-token head.
     """
 
     @staticmethod
@@ -53,6 +61,7 @@ class _LMHeadInChunks(torch.autograd.Function):
         hidden: Tensor,
         weight: Tensor,
         fn: Callable[..., Tensor | tuple[Tensor, ...]],
+        grad_fn: Callable[..., Tensor] | None,
         chunk_size: int,
         n_rows: int,
         *rest: Any,
@@ -66,7 +75,7 @@ class _LMHeadInChunks(torch.autograd.Function):
                 f"hidden ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same "
                 "dtype (or run under autocast)"
             )
-        ctx.fn, ctx.chunk_size, ctx.n_rows, ctx.consts = fn, chunk_size, n_rows, consts
+        ctx.fn, ctx.grad_fn, ctx.chunk_size, ctx.consts = fn, grad_fn, chunk_size, consts
         ctx.autocast, ctx.dtype = (device, dtype, autocast), dtype
         ctx.save_for_backward(hidden, weight, *rows)
         w = weight.to(dtype)
@@ -94,12 +103,17 @@ class _LMHeadInChunks(torch.autograd.Function):
             c = slice(i, i + ctx.chunk_size)
             h = hidden[c].to(dtype)
             with torch.autocast(device, enabled=False):
-                logits = (h @ w.T).requires_grad_()  # [n, V]
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
-                out = ctx.fn(logits, *(r[c] for r in rows), *ctx.consts)
-                out = out[0] if isinstance(out, tuple) else out
-            (g,) = torch.autograd.grad(out, logits, grad[c])
-            del logits, out
+                logits = h @ w.T  # [n, V]
+            if ctx.grad_fn is not None:
+                g = ctx.grad_fn(logits, grad[c], *(r[c] for r in rows), *ctx.consts)
+            else:
+                logits.requires_grad_()
+                with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+                    out = ctx.fn(logits, *(r[c] for r in rows), *ctx.consts)
+                    out = out[0] if isinstance(out, tuple) else out
+                (g,) = torch.autograd.grad(out, logits, grad[c])
+                del out
+            del logits
             g = g.to(dtype)
             with torch.autocast(device, enabled=False):
                 if grad_h is not None:
@@ -110,7 +124,7 @@ class _LMHeadInChunks(torch.autograd.Function):
                     grad_w.addmm_(g.T, h)
                 else:  # an fp32 master weight under bf16 autocast: as autocast's backward does
                     grad_w += g.T @ h
-        return grad_h, grad_w, None, None, None, *([None] * (len(rows) + len(ctx.consts)))
+        return grad_h, grad_w, None, None, None, None, *([None] * (len(rows) + len(ctx.consts)))
 
 
 def lm_head_in_chunks(
@@ -120,12 +134,15 @@ def lm_head_in_chunks(
     rows: tuple[Tensor, ...] = (),  # each [N, ...], sliced with hidden
     consts: tuple[Any, ...] = (),
     chunk_size: int = 1024,
+    grad_fn: Callable[..., Tensor] | None = None,
 ) -> _Out:  # each [N, ...]
     """`fn(hidden @ weight.T, *rows, *consts)` computed `chunk_size` rows at a time, values and
     gradients (see `_LMHeadInChunks`). `fn` maps `[n, V]` logits (and the rows' slices) to per-row
-    outputs; only its first output is differentiable. With N = 0 one empty chunk still runs, so
+    outputs; only its first output is differentiable. `grad_fn(logits, grad, *rows, *consts)`,
+    where given, returns the `[n, V]` gradient of `(fn(...)[0] * grad).sum()` with respect to
+    the logits, in place of autograd through `fn`. With N = 0 one empty chunk still runs, so
     the result is attached to the graph."""
-    args = (hidden, weight, fn, chunk_size, len(rows), *rows, *consts)
+    args = (hidden, weight, fn, grad_fn, chunk_size, len(rows), *rows, *consts)
     out = _LMHeadInChunks.apply(*args)  # type: ignore[no-untyped-call]  # untyped in torch
     return cast(_Out, out)  # what `fn` returns, concatenated over chunks
 
@@ -139,6 +156,28 @@ def _chunk_logprobs(
     return x.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
+def logprobs_logits_grad(
+    logits: Tensor,  # [n, V]
+    grad: Tensor,  # [n] or [n, K]
+    targets: Tensor,  # like grad, long
+    temperature: float,
+) -> Tensor:  # [n, V] float32 (float64 for float64 logits)
+    """The gradient of `(lp * grad).sum()` with respect to the logits, where `lp` are the
+    log-probs at `targets` of `softmax(x)`, `x` the scaled, floored logits (`scaled_logits`):
+    `(scatter(grad, targets) - grad.sum(-1) * softmax(x)) / temperature`, on one `[n, V]`
+    buffer. One target a row (`[n]`) or several (`[n, K]`; a repeated id gets each share)."""
+    x = upcast(logits)
+    x = x.clone() if x is logits else x  # [n, V]: the buffer everything below writes into
+    if temperature != 1.0:
+        x.div_(temperature)
+    x.clamp_(min=torch.finfo(x.dtype).min / 4)  # as `scaled_logits` floors -inf
+    p = torch.softmax(x, dim=-1)  # one fused pass
+    del x
+    scale = grad.to(p.dtype).reshape(p.shape[0], -1) / temperature  # [n, K]
+    p.mul_(-scale.sum(-1, keepdim=True))
+    return p.scatter_add_(-1, targets.reshape(p.shape[0], -1), scale)
+
+
 def _chunk_entropy(
     logits: Tensor,  # [n, V]
     targets: Tensor,  # [n], unused
@@ -146,6 +185,10 @@ def _chunk_entropy(
 ) -> Tensor:  # [n]
     lp = torch.log_softmax(scaled_logits(logits, temperature), dim=-1)  # [n, V]
     return -(lp.exp() * lp).sum(dim=-1)
+
+
+#: Chunk functions whose logits' gradient is known in closed form (see `lm_head_in_chunks`).
+_GRADS: dict[Callable[..., Tensor], Callable[..., Tensor]] = {_chunk_logprobs: logprobs_logits_grad}
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -184,7 +227,7 @@ def _chunked(
     flat_hidden = hidden[:, :-1].reshape(-1, h) if sel is None else hidden[:, :-1][sel]  # [N, H]
     flat_targets = input_ids[:, 1:].reshape(-1) if sel is None else input_ids[:, 1:][sel]  # [N]
     values = lm_head_in_chunks(
-        fn, flat_hidden, weight, (flat_targets,), (temperature,), chunk_size
+        fn, flat_hidden, weight, (flat_targets,), (temperature,), chunk_size, _GRADS.get(fn)
     )  # [N]
     if sel is None:
         return F.pad(values.view(b, t - 1), (1, 0))

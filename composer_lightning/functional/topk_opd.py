@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_range, shape_str
-from .chunked import lm_head_in_chunks
+from .chunked import lm_head_in_chunks, logprobs_logits_grad
 from .logprobs import scaled_logits
 
 SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
@@ -126,7 +126,15 @@ def chunked_logprobs_at(
     recomputed chunks of tokens (only one chunk's `[n, V]` logits alive at a time)."""
     if hidden.shape[0] != ids.shape[0]:
         raise ValueError(f"ids {shape_str(ids)} must have a row per hidden row {shape_str(hidden)}")
-    return lm_head_in_chunks(_chunk_logprobs_at, hidden, weight, (ids,), (temperature,), chunk_size)
+    return lm_head_in_chunks(
+        _chunk_logprobs_at,
+        hidden,
+        weight,
+        (ids,),
+        (temperature,),
+        chunk_size,
+        logprobs_logits_grad,
+    )
 
 
 def candidate_overlap(

@@ -364,3 +364,41 @@ def test_the_default_chunk_is_small_on_cpu_and_large_on_an_accelerator():
     assert chunk_tokens(head(151936, 896), None) == 112  # 896 / 8
     assert chunk_tokens(head(151936, 64, "meta"), None) == 110  # not CPU: 64 MiB
     assert chunk_tokens(head(151936, 64), 7) == 7 and chunk_tokens(head(10**7, 2), None) == 1
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.6])
+@pytest.mark.parametrize("k", [None, 3])
+def test_the_log_probs_closed_form_gradient_equals_autograd(tau, k):
+    """`logprobs_logits_grad`, which the chunked backward uses in place of autograd for
+    log-probs, equals autograd through the log-probs in float64: with -inf logits (a masked
+    vocabulary), a temperature, one target a row or several with a repeated id. From bf16
+    logits it is float32 and equals autograd's float32 gradient before the cast back."""
+    from composer_lightning.functional.chunked import logprobs_logits_grad
+    from composer_lightning.functional.logprobs import scaled_logits
+
+    g = torch.Generator().manual_seed(7)
+    n, v = 5, 13
+    logits = torch.randn(n, v, generator=g, dtype=torch.float64) * 3
+    logits[:, -2:] = float("-inf")
+    shape = (n,) if k is None else (n, k)
+    targets = torch.randint(0, v - 2, shape, generator=g)
+    if k is not None:
+        targets[:, 1] = targets[:, 0]  # a repeated id gets both shares
+    grad = torch.randn(shape, generator=g, dtype=torch.float64)
+
+    def autograd(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_()
+        s = scaled_logits(x, tau)
+        t = targets.reshape(n, -1)
+        lp = s.gather(-1, t) - torch.logsumexp(s, dim=-1, keepdim=True)
+        (out,) = torch.autograd.grad((lp * grad.reshape(n, -1).to(lp.dtype)).sum(), x)
+        return out
+
+    got = logprobs_logits_grad(logits, grad, targets, tau)
+    assert got.dtype == torch.float64 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, autograd(logits), rtol=0, atol=1e-12)
+    assert (got[:, -2:] == 0).all()  # a masked entry gets exactly no gradient
+    half = logits.bfloat16()
+    got = logprobs_logits_grad(half, grad.float(), targets, tau)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, autograd(half.float()), rtol=0, atol=1e-6)
