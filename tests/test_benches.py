@@ -112,6 +112,17 @@ SMOKES = {
         writes=("hint_signal.json",),
     ),
     # the shipped tool policy stands in for an SFT'd SmolLM2: same code, two problems
+    # the tiny chat policy, two problems: every hint and placement through the teacher context
+    "hint_placement": Smoke(
+        "hint_placement.py",
+        "--model composer_lightning/assets/tiny_policy --problems 2 --max-tokens 4 --threads 1",
+        (
+            r"^\| hint \| hint_role \| right \| of \| first reply \|",
+            rf"^\| — \| — \| {NUM} \| 2 \|",
+            rf"^\| verifier's \| user \| {NUM} \| 2 \|",
+            rf"^\| answer \| inline \| {NUM} \| 2 \|",
+        ),
+    ),
     "hinted_teacher": Smoke(
         "hinted_teacher.py",
         "--model composer_lightning/assets/tiny_tool_policy --problems 2 --max-tokens 8 "

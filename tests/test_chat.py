@@ -231,6 +231,30 @@ def test_a_base_model_hint_is_appended_to_the_prompt_text(base_tok) -> None:
     assert [ctx.teacher_ids[p] for p in positions if p >= 0] == response
 
 
+def test_a_base_model_inline_hint_goes_before_the_prompt_text(base_tok) -> None:
+    """`inline` (the rollout's default): teacher = tokens of `hint + "\n\n" + prompt`, so the
+    response still continues the prompt's own last words; then the same response ids. A bad
+    `hint_role` is named."""
+    messages = [{"role": "user", "content": "3 + 4 ="}]
+    prompt = tokenize_prompt(base_tok, {"prompt": "3 + 4 ="})
+    response = base_tok(" 7", add_special_tokens=False)["input_ids"]
+    ctx = single_turn_teacher(base_tok, messages, response, "The answer is 7.", "inline")
+    assert (
+        ctx.teacher_ids[: ctx.response_start]
+        == base_tok("The answer is 7.\n\n3 + 4 =")["input_ids"]
+    )
+    assert ctx.teacher_ids[ctx.response_start :] == response
+    positions = ctx.positions(len(prompt), len(prompt) + len(response))
+    assert [ctx.teacher_ids[p] for p in positions if p >= 0] == response
+    system = single_turn_teacher(base_tok, messages, response, "The answer is 7.", "system")
+    assert (
+        system.teacher_ids[: system.response_start]
+        == base_tok("3 + 4 =\n\nThe answer is 7.\n\n")["input_ids"]
+    )
+    with pytest.raises(ValueError, match=r"hint_role must be one of .*, got 'before'"):
+        single_turn_teacher(base_tok, messages, response, "The answer is 7.", "before")
+
+
 def test_a_tool_trace_needs_a_chat_template_one_error_naming_the_tokenizer(base_tok) -> None:
     with pytest.raises(ValueError, match=r"base_policy' has no chat template, so a multi-turn"):
         multi_turn_sample(base_tok, trace(), hint=HINT)

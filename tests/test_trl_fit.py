@@ -1,6 +1,6 @@
 """A TRL user's run through the real CLI: a GSM8K-shaped parquet file, TRL-style reward functions
 by dotted path (open-r1's math accuracy + a format reward, with `reward_weights`), and a base
-model without a chat template (plain-text prompts, the hint appended to the prompt text)."""
+model without a chat template (plain-text prompts, the hint before the prompt text)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_gsm8k_parquet_with_trl_reward_functions_trains_through_the_cli(tmp_path
 
 
 def test_a_base_model_without_a_chat_template_trains_with_hints(tmp_path):
-    """Arithmetic prompts as plain text; verifier hints appended to the prompt text feed the
+    """Arithmetic prompts as plain text; verifier hints before the prompt text feed the
     OPD and SDPO teacher."""
     heads = [
         "composer_lightning.heads.dr_grpo.DrGRPOHead",

@@ -7,8 +7,10 @@ assistant turn (docs/design.md, "Where the hint goes"). Teacher and student are 
 index of each student response token), built by rendering the chat turn by turn: that needs a
 *prefix-stable* template (rendering the first k turns gives a token prefix of rendering k + 1);
 a template that is not raises ValueError rather than misalign tokens. Without a chat template
-the hint is appended to the prompt text, `prompt + BASE_HINT_SEPARATOR + hint +
-BASE_HINT_SEPARATOR`, before the same response ids.
+(a base model, whose prompt is text it continues) an `inline` hint goes before the prompt
+text, `hint + BASE_HINT_SEPARATOR + prompt`, so the prompt still ends where the reply
+continues it; a `user` or `system` hint follows it, `prompt + BASE_HINT_SEPARATOR + hint +
+BASE_HINT_SEPARATOR`. Then the same response ids.
 """
 
 from __future__ import annotations
@@ -84,7 +86,12 @@ def single_turn_teacher(
     (`tools`: the tool specs the student was shown). For turn t of an episode, `messages` is
     turn t's context: the hint is spliced right before the turn it is about.
     Without a chat template (a base model, whose prompt is one plain-text user message):
-    `prompt + BASE_HINT_SEPARATOR + hint + BASE_HINT_SEPARATOR`, then the same response.
+    `inline`, `hint + BASE_HINT_SEPARATOR + prompt`, so the reply still continues the prompt's
+    own last words ("7 + 5 =" then " 12"; after a hint appended to it, Gemma 3 270M went on
+    with the hint's text instead: told the answer, its greedy reply was right on 15 of 24 sums
+    with the hint after the prompt, 21 of 24 with it before, `bench/hint_placement.py`);
+    `user` or `system`, `prompt + BASE_HINT_SEPARATOR + hint + BASE_HINT_SEPARATOR`, a message
+    of its own after the prompt. Then the same response.
 
     Args:
         tokenizer: the policy's tokenizer.
@@ -102,8 +109,11 @@ def single_turn_teacher(
             tools=tools,
         )
     elif len(messages) == 1 and messages[0]["role"] == "user":
-        sep = BASE_HINT_SEPARATOR
-        prompt = list(tokenizer(f"{messages[0]['content']}{sep}{hint}{sep}")["input_ids"])
+        if hint_role not in HINT_ROLES:
+            raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
+        text, sep = messages[0]["content"], BASE_HINT_SEPARATOR
+        text = f"{hint}{sep}{text}" if hint_role == "inline" else f"{text}{sep}{hint}{sep}"
+        prompt = list(tokenizer(text)["input_ids"])
     else:
         raise no_template(tokenizer, "a conversational prompt (a chat)")
     return TeacherContext(teacher_ids=prompt + list(response_ids), response_start=len(prompt))
