@@ -3,14 +3,16 @@ strictly on-policy loop, TRL, and the two bounds, side by side.
 
     python bench/throughput.py [--rounds 2] [--steps 8] [--models tiny 20M]
         [--runs k=0@2 k=1 ...] [--trl-python PYTHON] [--lora R] [--precision fp32|bf16]
-        [--accuracy]
+        [--engine-dtype float32|bfloat16] [--accuracy]
 
 The same batch everywhere: 8 prompts × G = 4 of the arithmetic task, Dr. GRPO only, one update
 per rollout batch, fused AdamW (lr 1e-4, no weight decay: TRL's defaults), gradient clipping
 at 1, the update in one precision on both sides (`--precision`: fp32, or bf16 autocast over
-fp32 master weights, `trainer.precision: bf16-mixed` here and `bf16=True` in TRL; the engine
-samples in its own dtype either way). Every row states its cores; the comparisons are at equal
-cores:
+fp32 master weights, `trainer.precision: bf16-mixed` here and `bf16=True` in TRL). TRL's HF
+`generate` runs in the update's precision (accelerate's autocast wrapper stays on the model TRL
+unwraps for generation); vLLM samples in `--engine-dtype` (float32 by default; bfloat16 with
+`--precision bf16` is both sides generating and updating in bf16). Every row states its cores;
+the comparisons are at equal cores:
 - `k=1`, `k=2` (1 + 1): this library, the trainer on 1 thread and the engine in its own process
   on 1 thread, generating batch m + k while the trainer updates on batch m
   (`RolloutCallback(max_staleness=k)`);
@@ -132,6 +134,7 @@ def measure(run: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [python, __file__, "--worker", run, model, "--steps", str(args.steps), "--tmp", tmp]
     cmd += ["--lora", str(args.lora), "--precision", args.precision]
+    cmd += ["--engine-dtype", args.engine_dtype]
     before, (busy, own), start = load(), cpu_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -149,7 +152,13 @@ def measure(run: str, model: str, args: argparse.Namespace, tmp: str) -> dict:
 
 
 def worker(
-    run: str, model: str, steps: int, tmp: str, lora: int = 0, precision: str = "fp32"
+    run: str,
+    model: str,
+    steps: int,
+    tmp: str,
+    lora: int = 0,
+    precision: str = "fp32",
+    engine_dtype: str = "float32",
 ) -> dict:
     import throughput_runs as runs
 
@@ -160,9 +169,9 @@ def worker(
     if run in TRL_RUNS:
         return runs.trl(path, steps, max_tokens, threads, lora, precision)
     if run == "gen":
-        return runs.generation(path, steps, max_tokens, threads, record)
+        return runs.generation(path, steps, max_tokens, threads, record, engine_dtype)
     k = None if run == "train" else int(run[2])
-    return runs.ours(path, k, steps, max_tokens, threads, record, lora, precision)
+    return runs.ours(path, k, steps, max_tokens, threads, record, lora, precision, engine_dtype)
 
 
 def accuracy(seeds: list[int]) -> list[str]:
@@ -294,6 +303,12 @@ def main() -> None:
         choices=["fp32", "bf16"],
         help="the update's precision on both sides (bf16: autocast over fp32 master weights)",
     )
+    ap.add_argument(
+        "--engine-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the dtype vLLM samples in (TRL's HF generate runs in the update's precision)",
+    )
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -304,7 +319,10 @@ def main() -> None:
     if args.steps < WARMUP + 2:  # steps are timed start to start: steps - 1 intervals
         ap.error(f"--steps {args.steps}: at least {WARMUP + 2} (the first {WARMUP} are warm-up)")
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.steps, args.tmp, args.lora, args.precision)))
+        out = worker(
+            *args.worker, args.steps, args.tmp, args.lora, args.precision, args.engine_dtype
+        )
+        print(json.dumps(out))
         sys.stdout.flush()
         os._exit(0)  # an in-process vLLM engine may not exit cleanly
     has_trl = subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True)
@@ -320,8 +338,12 @@ def main() -> None:
                 order = runs if r % 2 == 0 else runs[::-1]  # gen before train in the first
                 for run in order:
                     results.setdefault((model, run), []).append(measure(run, model, args, tmp))
+    # the dtype vLLM ran in, as the workers read it back
+    engines = sorted({x["engine"] for rs in results.values() for x in rs if "engine" in x} - {"—"})
     print(
         f"\n8 prompts x G=4, Dr. GRPO, 1 update per batch, {args.precision}, "
+        f"vLLM sampling in {', '.join(engines) or '—'} (TRL's HF generate in the update's "
+        "precision), "
         f"{f'LoRA r {args.lora} on both sides' if args.lora else 'full fine-tune'}, "
         f"{args.steps} steps per run, "
         f"medians over {args.rounds} alternated rounds; /proc/loadavg before: {start_load}, "

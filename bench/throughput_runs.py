@@ -126,6 +126,17 @@ def _optimizer(params: Iterable) -> Any:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
 
 
+def sampled_in(engine: Any) -> str:
+    """The dtype the engine's model runs in, read back from vLLM where it runs in this process
+    (its `model_config`), else the dtype the engine was configured with."""
+    config = getattr(
+        getattr(getattr(engine, "llm", None), "llm_engine", None), "model_config", None
+    )
+    return str(getattr(config, "dtype", None) or getattr(engine, "dtype", "—")).removeprefix(
+        "torch."
+    )
+
+
 #: `--precision` → Lightning's `trainer.precision`
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
@@ -139,10 +150,11 @@ def ours(
     record: str,
     lora: int = 0,
     precision: str = "fp32",
+    engine_dtype: str = "float32",
 ) -> dict:
     """This library's loop with `max_staleness` k; k None: `training`, on the batches that
     `generation` recorded in the file `record`. `lora` > 0: LoRA at that rank (the engine gets
-    the merged weights)."""
+    the merged weights). `engine_dtype`: the dtype vLLM samples in."""
     import lightning as L
     import torch
 
@@ -190,7 +202,7 @@ def ours(
             raise FileNotFoundError(f"{record}: run `generation` first, it records the batches")
         engine = ReplayEngine(json.loads(Path(record).read_text()))
     else:
-        engine = VLLMEngine(seed=0)
+        engine = VLLMEngine(seed=0, dtype=engine_dtype)
     callback = RolloutCallback(
         engine,
         group_size=4,
@@ -228,6 +240,7 @@ def ours(
         "step_s": step,
         "trained": trained,
         "precision": update_in,
+        "engine": sampled_in(engine) if k is not None else "—",
         "tok_s": _median(tokens[WARMUP:]) / step,
         "push_ms": parts.get("push", float("nan")),
         "log_ms": parts.get("logging", float("nan")),
@@ -236,8 +249,11 @@ def ours(
     }
 
 
-def generation(path: str, steps: int, max_tokens: int, threads: int, record: str) -> dict:
-    """The engine alone: per batch a reload of the weights, their fingerprint, the batch."""
+def generation(
+    path: str, steps: int, max_tokens: int, threads: int, record: str, engine_dtype: str = "float32"
+) -> dict:
+    """The engine alone, sampling in `engine_dtype`: per batch a reload of the weights, their
+    fingerprint, the batch."""
     from dataclasses import asdict
 
     import torch
@@ -253,7 +269,7 @@ def generation(path: str, steps: int, max_tokens: int, threads: int, record: str
     tokenizer = data.tokenizer
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     sampling = SamplingConfig(max_tokens=max_tokens, seed=0, stop_token_ids=eos)
-    engine = VLLMEngine(seed=0)
+    engine = VLLMEngine(seed=0, dtype=engine_dtype)
     engine.start(EngineContext(model_path=path))
     policy = load_policy(path)
     starts, reloads, tokens, recorded = [], [], [], []
@@ -273,6 +289,7 @@ def generation(path: str, steps: int, max_tokens: int, threads: int, record: str
     nan = float("nan")
     return {
         "step_s": step,
+        "engine": sampled_in(engine),
         "tok_s": _median(tokens[WARMUP:]) / step,
         "push_ms": 1e3 * _median(reloads[WARMUP:]),
         "log_ms": nan,

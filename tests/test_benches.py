@@ -252,19 +252,20 @@ SMOKES = {
             # update on policy)
             rf"^\| tiny \| k=0@1 \| \d+ \| {POS} \| {NUM} \| {POS} \| {NUM} \| {POS} \|",
             r"^(\| tiny \| trl@1 \||TRL is not importable by )",
-            r"1 update per batch, fp32, full fine-tune, 5 steps per run",
+            r"1 update per batch, fp32, vLLM sampling in float32 .*, full fine-tune, 5 steps per",
             r"^\| tiny \| k=0@1 \| [^|]+ \| 32-true \| .* \| 0\.71M \|$",  # every parameter trained
         ),
         vllm=True,
     ),
     # LoRA on both sides: this library's rows train the adapters only (the tiny policy's full
     # fine-tune trains 0.71M parameters; rank 4 on its projections, 0.02M); overlapped (k = 1),
-    # the update in bf16 on both sides
+    # the update and the sampling in bf16 on both sides
     "throughput_lora": Smoke(
         "throughput.py",
-        "--rounds 1 --steps 5 --models tiny --runs k=1 trl@1 --lora 4 --precision bf16",
+        "--rounds 1 --steps 5 --models tiny --runs k=1 trl@1 --lora 4 --precision bf16 "
+        "--engine-dtype bfloat16",
         (
-            r"1 update per batch, bf16, LoRA r 4 on both sides",
+            r"1 update per batch, bf16, vLLM sampling in bfloat16 .*, LoRA r 4 on both sides",
             r"^\| tiny \| k=1 \| [^|]+ \| bf16-mixed \| \d+\.\d{3} \|.* \| 0\.0[1-9]M \|$",
             # the split of the overlapped step: score, canary and update were timed
             rf"^\| tiny \| k=1 \| \d+ \| {NUM} \| {NUM} \| {POS} \| {POS} \| {POS} \|",
