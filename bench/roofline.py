@@ -158,7 +158,7 @@ def update_times(
                     -(
                         chunked_logprobs_from_hidden(
                             hidden.detach().requires_grad_(),
-                            weight.detach(),
+                            weight.detach().requires_grad_(),  # both gradients, as above
                             ids,
                             1.0,
                             chunk_tokens(weight, None),
