@@ -12,6 +12,7 @@ from composer_lightning.chat.hints import (
     HINT_ROLES,
     TeacherContext,
     TraceSample,
+    check_hint_role,
     first_error_turn,
     hint_message,
     multi_turn_sample,
@@ -31,6 +32,7 @@ from composer_lightning.chat.templates import (
 
 __all__ = [
     "HINT_ROLES",
+    "check_hint_role",
     "BASE_HINT_SEPARATOR",
     "Message",
     "TeacherContext",

@@ -55,6 +55,12 @@ class TeacherContext:
 HINT_ROLES = ("user", "system", "inline")
 
 
+def check_hint_role(hint_role: str) -> None:
+    """One error naming a `hint_role` that is not one of `HINT_ROLES`."""
+    if hint_role not in HINT_ROLES:
+        raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
+
+
 def hint_message(hint: str, hint_role: str = "user") -> Message:
     """The message that carries a hint."""
     if hint_role not in ("user", "system"):
@@ -65,8 +71,7 @@ def hint_message(hint: str, hint_role: str = "user") -> Message:
 def with_hint(messages: list[Message], after: int, hint: str, hint_role: str) -> list[Message]:
     """`messages` with the hint placed after `messages[after]`: a message of its own there, or,
     `inline`, appended to that message's content (`content + "\n\n" + hint`)."""
-    if hint_role not in HINT_ROLES:
-        raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
+    check_hint_role(hint_role)
     if hint_role == "inline":
         message = messages[after]
         placed = dict(message, content=f"{message['content']}{BASE_HINT_SEPARATOR}{hint}")
@@ -109,8 +114,7 @@ def single_turn_teacher(
             tools=tools,
         )
     elif len(messages) == 1 and messages[0]["role"] == "user":
-        if hint_role not in HINT_ROLES:
-            raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
+        check_hint_role(hint_role)
         text, sep = messages[0]["content"], BASE_HINT_SEPARATOR
         text = f"{hint}{sep}{text}" if hint_role == "inline" else f"{text}{sep}{hint}{sep}"
         prompt = list(tokenizer(text)["input_ids"])

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ._checks import as_bool_mask, check_ndim, check_range, shape_str
 from .jsd import check_jsd_options, generalized_jsd_per_token
-from .logprobs import check_logits_and_ids, scaled_logits, upcast
+from .logprobs import check_logits_and_ids, logit_floor, scaled_logits, upcast
 
 #: What a chunk function returns: one tensor, or a tuple whose first is differentiated.
 _Out = TypeVar("_Out", bound=Tensor | tuple[Tensor, ...])
@@ -171,7 +171,7 @@ def logprobs_logits_grad(
     x = x.clone() if x is logits else x  # [n, V]: the buffer everything below writes into
     if temperature != 1.0:
         x.div_(temperature)
-    x.clamp_(min=torch.finfo(x.dtype).min / 4)  # as `scaled_logits` floors -inf
+    x.clamp_(min=logit_floor(x.dtype))  # as `scaled_logits` floors -inf
     p = torch.softmax(x, dim=-1)  # one fused pass
     del x
     scale = grad.to(p.dtype).reshape(p.shape[0], -1) / temperature  # [n, K]

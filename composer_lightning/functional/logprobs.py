@@ -22,6 +22,12 @@ def upcast(x: Tensor) -> Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def logit_floor(dtype: torch.dtype) -> float:
+    """The finite floor -inf logits are raised to: `finfo(dtype).min / 4`, which leaves room for
+    the log-sum-exp subtraction in log_softmax without overflow."""
+    return torch.finfo(dtype).min / 4
+
+
 class _FloorNegInf(torch.autograd.Function):
     """Raise -inf to `torch.finfo(dtype).min / 4`; the gradient passes through unchanged.
 
@@ -35,8 +41,7 @@ class _FloorNegInf(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
-        # /4 leaves room for the log-sum-exp subtraction in log_softmax without overflow.
-        return x.clamp(min=torch.finfo(x.dtype).min / 4)
+        return x.clamp(min=logit_floor(x.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from composer_lightning.chat import HINT_ROLES
+from composer_lightning.chat import check_hint_role
 from composer_lightning.engines.base import GREEDY_BELOW, RolloutEngine, SamplingConfig
 from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
 from composer_lightning.rollout.hint_check import HINT_TRUST, TEACHER_REPLIES
@@ -247,8 +247,7 @@ def check_settings(
         raise ValueError(f"engine_timeout must be > 0 seconds or None, got {engine_timeout!r}")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if hint_role not in HINT_ROLES:
-        raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
+    check_hint_role(hint_role)
     if sampling.greedy:
         raise ValueError(
             f"training rollouts must sample: sampling.temperature must be >= {GREEDY_BELOW} "
