@@ -26,7 +26,7 @@ from tests.helpers import ROOT
 #: `model.teacher_alone`), and for the rollout callback (not `serve`'s, which has neither)
 #: `rollout.init_args.<key>`.
 MODEL_PINS = ("teacher_cap",)
-ROLLOUT_PINS = ("hint_trust", "teacher_replies")
+ROLLOUT_PINS = ("hint_trust", "teacher_replies", "teacher_guard")
 ROLLOUT_CALLBACK = "composer_lightning.rollout.callback.RolloutCallback"
 
 
@@ -108,12 +108,19 @@ def test_the_check_sees_each_kind_of_omission():
         "model.teacher_alone",
         "rollout.init_args.hint_trust",
         "rollout.init_args.teacher_replies",
+        "rollout.init_args.teacher_guard",
     ]
     pinned = merged(
         bare,
         {
             "model": {"teacher_cap": None},
-            "rollout": {"init_args": {"hint_trust": "always", "teacher_replies": "all"}},
+            "rollout": {
+                "init_args": {
+                    "hint_trust": "always",
+                    "teacher_replies": "all",
+                    "teacher_guard": False,
+                }
+            },
         },
     )
     assert unstated(pinned) == []

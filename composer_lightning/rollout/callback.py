@@ -13,8 +13,9 @@ The canary compares the engine's weight fingerprint of the version that generate
 with the trainer's (`engines/fingerprint.py`), exactly.
 
 Why this file is long: `RolloutCallback` is the class a run configures as `rollout:`, and its
-twenty-four options are documented on it (≈ 70 lines, what `--help` shows); what it
-orchestrates lives in the modules named above, the hint check among them (`hint_check.py`).
+twenty-five options are documented on it (≈ 75 lines, what `--help` shows); what it
+orchestrates lives in the modules named above, the hint check (`hint_check.py`) and the teacher
+guard (`teacher_guard.py`) among them.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from composer_lightning.rollout.hint_check import (
 )
 from composer_lightning.rollout.hinted import HintedReplies, HintedSampler
 from composer_lightning.rollout.providers import share_trainer_state
+from composer_lightning.rollout.teacher_guard import TeacherGuard
 from composer_lightning.rollout.validation import evaluate, validate_now
 from composer_lightning.runtime.calls import check_timeout, check_workers
 from composer_lightning.runtime.distributed import (
@@ -202,6 +204,11 @@ class RolloutCallback(L.Callback):
         hint_placebo: give every hinted turn the hint of a different problem of the batch (a
             seeded shuffle between groups): the control that shows a hint's gain comes from
             what it says, not from the extra teacher signal.
+        teacher_guard: turn the teacher heads off for the rest of the run once the student's
+            greedy accuracy on the checked problems falls beyond noise below its accuracy
+            before the first update while the teacher acts (`rollout/teacher_guard.py`; said
+            in one line, logged as `hint/teacher_off`); its baseline is steadier with
+            `val_before_train`. Needs the hint check (`max_staleness` 0). False: never.
     """
 
     def __init__(
@@ -231,6 +238,7 @@ class RolloutCallback(L.Callback):
         hint_trust: HintTrust = "knows_better",
         hint_placebo: bool = False,
         teacher_replies: TeacherReplies = "below_teacher",
+        teacher_guard: bool = True,
     ):
         check_settings(
             group_size=group_size,
@@ -280,7 +288,11 @@ class RolloutCallback(L.Callback):
         self.hint_trust, self.hint_placebo = hint_trust, bool(hint_placebo)
         check_teacher_replies(teacher_replies)
         self.teacher_replies = teacher_replies
-        self._first_hint_check: StepMetrics | None = None  # the step-0 line's figures
+        if not isinstance(teacher_guard, bool):
+            raise ValueError(f"teacher_guard must be true or false, got {teacher_guard!r}")
+        self._guard = TeacherGuard() if teacher_guard else None
+        self._check_figures: StepMetrics | None = None  # this step's check, for agree
+        self._heldout0 = (0.0, 0.0)  # (solved, prompts) of the held-out set at step 0
         self._fingerprints: dict[int, Fingerprint] = {}  # the trainer's, by version
         self._samples: list[dict[str, Any]] = []
         self._last_start: float | None = None
@@ -372,6 +384,8 @@ class RolloutCallback(L.Callback):
             "group_size": self.group_size,
             "sampling": asdict(self.sampling),
         }
+        if self._guard is not None:
+            state["teacher_guard"] = self._guard.state_dict()
         pending = self._ahead.pending()
         if pending is None:
             return state
@@ -386,6 +400,8 @@ class RolloutCallback(L.Callback):
         under the checkpoint's are generated again."""
         if self.sampling.seed is None and state_dict.get("base_seed") is not None:
             self._base_seed = int(state_dict["base_seed"])  # the run's drawn seed, kept
+        if self._guard is not None and "teacher_guard" in state_dict:
+            self._guard.load_state_dict(state_dict["teacher_guard"])
         pending = state_dict.get("pending", {})
         if isinstance(pending, list):  # one entry per rank
             mine = cast(dict[str, Any], own(pending))
@@ -481,6 +497,9 @@ class RolloutCallback(L.Callback):
         )
         after = {"step": trainer.global_step}
         append_rows(trainer, "heldout.jsonl", [after | row for row in replies])
+        if trainer.global_step == 0 and not trainer.sanity_checking:  # the guard's baseline
+            value, prompts = batch.val["accuracy"]
+            self._heldout0 = (self._heldout0[0] + value * prompts, self._heldout0[1] + prompts)
 
     # ------------------------------------------------------------------ generate
     def on_train_batch_start(
@@ -496,16 +515,28 @@ class RolloutCallback(L.Callback):
             rollout = self._rollout(trainer, pl_module, batch, metrics)
         except Exception as exc:  # every rank raises it in this step (not one rank alone)
             error = exc
-        first, self._first_hint_check = self._first_hint_check, None
-        # a rank that failed stops every rank, here; at step 0 the hint check's figures too
-        reduced = agree(first, error=error)
-        line = (
+        figures, self._check_figures = self._check_figures, None
+        step = trainer.global_step
+        if figures is not None and step == 0:
+            figures.sum("guard/heldout_solved", self._heldout0[0])
+            figures.sum("guard/heldout_prompts", self._heldout0[1])
+        # a rank that failed stops every rank, here; and the hint check's figures, every step
+        reduced = agree(figures, error=error)
+        lines = [
             hint_line(reduced, self.hint_trust, self.hint_placebo, self.teacher_replies)
-            if first
+            if figures is not None and step == 0
             else None
-        )
-        if line and trainer.is_global_zero:
-            print(line, flush=True)
+        ]
+        if self._guard is not None and figures is not None:
+            metrics.max("hint/teacher_off", float(self._guard.off))  # this step's rollout
+            heldout = (
+                reduced.get("guard/heldout_solved", 0.0),
+                reduced.get("guard/heldout_prompts", 0.0),
+            )
+            lines.append(self._guard.observe(step, reduced, heldout))
+        for line in lines:
+            if line and trainer.is_global_zero:
+                print(line, flush=True)
         every = self.samples_every_n_steps
         if every and trainer.global_step % every == 0:
             write_samples(trainer, trainer.global_step, self._samples)
@@ -542,13 +573,15 @@ class RolloutCallback(L.Callback):
         )
         metrics.max("rollout/fingerprint_params", compared)
         share_trainer_state([self.score, self.hint, self.turn_score], trainer)
-        teacher = module_reads(pl_module, TEACHER_SIGNALS)
+        reads = module_reads(pl_module, TEACHER_SIGNALS)
+        teacher = reads and not (self._guard is not None and self._guard.off)
         hinted, check = made.hinted, made.check
         plan = RolloutPlan(
             dm.tokenizer,
             sampling.max_tokens,
             self.score,
-            hint=self.hint if teacher or hinted is not None else None,
+            # the check goes on once the guard stops the teacher: its figures stay logged
+            hint=self.hint if reads or hinted is not None else None,
             hint_role=self.hint_role,
             samples_per_step=self.samples_per_step,
             mask_truncated=self.mask_truncated_completions,
@@ -564,8 +597,8 @@ class RolloutCallback(L.Callback):
         version, gen_time = made.version, made.gen_time
         if hinted is not None or check is not None:
             self.engine.sleep()
-        if check is not None and trainer.global_step == 0:
-            self._first_hint_check = built  # reduced over ranks, said in one line
+        if check is not None:  # reduced over ranks: the step-0 line, the teacher guard
+            self._check_figures = built
         rollout.policy_version = version
         rollout.engine_dtype = getattr(self.engine, "dtype", None)  # the canary's threshold
         rollout.sampler_shaped = sampling.shaped  # the engine's log-probs: a behaviour policy's

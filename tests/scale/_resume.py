@@ -37,6 +37,7 @@ from composer_lightning.heads.opd import OPDHead
 from composer_lightning.heads.replay_dpo import ReplayDPOHead
 from composer_lightning.models.tiny import tiny_policy_path, tiny_tool_policy_path
 from composer_lightning.rollout.callback import RolloutCallback
+from composer_lightning.rollout.teacher_guard import TeacherGuard
 from composer_lightning.tasks import ToolErrorHint, VerifierHint
 from composer_lightning.training.module import ComposerModule
 
@@ -58,6 +59,7 @@ class Record(L.Callback):
         seen = trainer.callback_metrics
         self.steps[trainer.global_step] = {
             "staleness": float(seen["rollout/staleness"]),
+            "teacher_off": float(seen.get("hint/teacher_off", float("nan"))),
             "gap": float(seen.get("rollout/logprob_gap_max", float("nan"))),
             "prompts": [p["messages"][0]["content"] for p in batch.problems],
             "torch": torch.rand(n),
@@ -101,6 +103,11 @@ def main(kind: str, out: str, ckpt: str | None) -> None:
             save_top_k=-1,
         ),
     ]
+    if not (MAX_STALENESS or EPISODES):
+        # the teacher guard told the student was right on 800 of 800 before: the tiny model's
+        # step-1 check is a fall, so the teacher is off from step 2, a state in the step-2
+        # checkpoint that the resumed run must keep (a fresh guard would stop it at step 3)
+        callbacks[0]._guard = TeacherGuard(window=1, min_share=0.0, base=(800.0, 800.0))
     if kind == "killed":
         callbacks.append(KillAll(KILL_AT))
     module = ComposerModule(

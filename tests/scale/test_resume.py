@@ -72,6 +72,8 @@ def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, episode
         assert [rank["steps"][s]["staleness"] for s in (1, 2, 3, 4)] == [0] + [k] * 3
         # fp32 rounding (1.1e-5 measured with the KL head), far below the 1e-3 gate
         assert max(rank["steps"][s]["gap"] for s in (1, 2, 3, 4)) < 5e-5
+        if not k:  # the teacher guard stops the teacher from step 2 (`_resume.py`)
+            assert [rank["steps"][s]["teacher_off"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
     assert not _equal_buffers(whole[0]["buffer"], whole[1]["buffer"])  # else this proves nothing
     assert whole[0]["buffer"] and whole[1]["buffer"]
 
@@ -94,6 +96,7 @@ def test_kill_9_of_both_ranks_and_resume_equals_the_uninterrupted_run(k, episode
             assert got["prompts"] == want["prompts"], (rank, step)  # the stream position
             assert torch.equal(got["torch"], want["torch"]), (rank, step)
             assert got["python"] == want["python"], (rank, step)
+            assert got["teacher_off"] == want["teacher_off"] or k, (rank, step)
         assert _equal_buffers(b["buffer"], a["buffer"]), rank
         for name, w in a["weights"].items():
             assert torch.equal(b["weights"][name], w), (rank, name)
