@@ -26,7 +26,7 @@ from tests.helpers import ROOT
 #: `model.teacher_alone`), and for the rollout callback (not `serve`'s, which has neither)
 #: `rollout.init_args.<key>`.
 MODEL_PINS = ("teacher_cap",)
-ROLLOUT_PINS = ("hint_trust", "teacher_replies", "teacher_guard")
+ROLLOUT_PINS = ("hint_trust", "teacher_replies", "teacher_guard", "hint_template")
 ROLLOUT_CALLBACK = "composer_lightning.rollout.callback.RolloutCallback"
 
 
@@ -109,6 +109,7 @@ def test_the_check_sees_each_kind_of_omission():
         "rollout.init_args.hint_trust",
         "rollout.init_args.teacher_replies",
         "rollout.init_args.teacher_guard",
+        "rollout.init_args.hint_template",
     ]
     pinned = merged(
         bare,
@@ -119,6 +120,7 @@ def test_the_check_sees_each_kind_of_omission():
                     "hint_trust": "always",
                     "teacher_replies": "all",
                     "teacher_guard": False,
+                    "hint_template": "{hint}",
                 }
             },
         },

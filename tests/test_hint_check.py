@@ -320,3 +320,52 @@ def test_the_check_needs_the_trainers_engine():
         _fit([DrGRPOHead(), OPDHead()], steps=1, max_staleness=1)
     with pytest.raises(ConfigError, match="hint_trust must be one of"):
         _fit([DrGRPOHead(), OPDHead()], steps=1, hint_trust="sometimes")
+
+
+# ---------------------------------------------------------------- the hint's template
+def test_the_hint_template_puts_each_hint_where_it_says():
+    from composer_lightning.chat import HINT_TEMPLATE, check_hint_template, fill_hint
+
+    again = "{hint}\n\nCorrectly solve the original question."
+    assert fill_hint(again, "It is 7.") == "It is 7.\n\nCorrectly solve the original question."
+    assert fill_hint(again, ["a", "b"]) == [fill_hint(again, "a"), fill_hint(again, "b")]
+    assert fill_hint(again, None) is None
+    assert fill_hint("{hint} {x}", "{y}") == "{y} {x}"  # no other brace is read
+    assert fill_hint(HINT_TEMPLATE, "It is 7.") == "It is 7."
+    for bad in ("Solve it again.", "{hint} {hint}", None):
+        with pytest.raises(ValueError, match=r"hint_template must be text holding \{hint\} once"):
+            check_hint_template(bad)  # type: ignore[arg-type]
+
+
+def test_the_teacher_and_the_sample_rows_read_the_templated_hint(tokenizer):
+    problems = PROBLEMS[:2]
+    batch = PromptBatch(0, problems, [tokenize_prompt(tokenizer, p) for p in problems])
+    outs = [[_reply(tokenizer, "9")] for _ in problems]
+    episodes = one_turn_episodes(problems, batch.prompt_ids, outs, tokenizer)
+    again = "{hint}\n\nCorrectly solve the original question."
+    plan = RolloutPlan(
+        tokenizer, 4, VerifierScore(), hint=_Hint(), hint_role="inline", samples_per_step=2
+    )
+    rollout, _, rows = build_rollout(batch, episodes, replace(plan, hint_template=again))
+    for i, p in enumerate(problems):
+        said = f"The answer is {p['answer']}.\n\nCorrectly solve the original question."
+        ids = single_turn_teacher(
+            tokenizer, [{"role": "user", "content": p["prompt"]}], outs[i][0].token_ids,
+            said, "inline",
+        ).teacher_ids  # fmt: skip
+        assert rollout.teacher_input_ids[i, : len(ids)].tolist() == ids
+        assert rows[i]["hint"] == said
+    _, _, plain = build_rollout(batch, episodes, plan)  # the default: the hint itself
+    assert [r["hint"] for r in plain] == [f"The answer is {p['answer']}." for p in problems]
+
+
+def test_the_callback_refuses_a_template_without_the_hint():
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.models.tiny import tiny_policy_path
+    from composer_lightning.rollout.callback import RolloutCallback
+
+    with pytest.raises(
+        ValueError,
+        match=r"hint_template must be text holding \{hint\} once .where the hint goes., got 'Solve it.'",
+    ):
+        RolloutCallback(HFEngine(model_path=tiny_policy_path(), seed=0), hint_template="Solve it.")

@@ -10,9 +10,12 @@ tokenizer and messages in, token ids out).
 
 from composer_lightning.chat.hints import (
     HINT_ROLES,
+    HINT_TEMPLATE,
     TeacherContext,
     TraceSample,
     check_hint_role,
+    check_hint_template,
+    fill_hint,
     first_error_turn,
     hint_message,
     multi_turn_sample,
@@ -32,7 +35,10 @@ from composer_lightning.chat.templates import (
 
 __all__ = [
     "HINT_ROLES",
+    "HINT_TEMPLATE",
     "check_hint_role",
+    "check_hint_template",
+    "fill_hint",
     "BASE_HINT_SEPARATOR",
     "Message",
     "TeacherContext",

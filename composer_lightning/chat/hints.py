@@ -61,6 +61,31 @@ def check_hint_role(hint_role: str) -> None:
         raise ValueError(f"hint_role must be one of {list(HINT_ROLES)}, got {hint_role!r}")
 
 
+#: The hint's text as the teacher reads it: the hint itself. SDPO's reference ends every teacher
+#: context with an instruction (lasgroup/SDPO's reprompt, "…\n\nCorrectly solve the original
+#: question."); `"{hint}\n\nCorrectly solve the original question."` does that here.
+HINT_TEMPLATE = "{hint}"
+
+
+def check_hint_template(template: str) -> None:
+    """One error naming a `hint_template` that is not text holding `{hint}` once."""
+    if not isinstance(template, str) or template.count("{hint}") != 1:
+        raise ValueError(
+            f"hint_template must be text holding {{hint}} once (where the hint goes), got "
+            f"{template!r}"
+        )
+
+
+def fill_hint(template: str, value: str | list[str] | None) -> str | list[str] | None:
+    """A hint value (one hint, candidates, or None) with each hint put in `template` where it
+    says `{hint}` (nothing else in it is read: braces of its own stay as they are)."""
+    if value is None or template == HINT_TEMPLATE:
+        return value
+    if isinstance(value, str):
+        return template.replace("{hint}", value)
+    return [template.replace("{hint}", v) for v in value]
+
+
 def hint_message(hint: str, hint_role: str = "user") -> Message:
     """The message that carries a hint."""
     if hint_role not in ("user", "system"):

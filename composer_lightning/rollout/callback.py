@@ -13,7 +13,7 @@ The canary compares the engine's weight fingerprint of the version that generate
 with the trainer's (`engines/fingerprint.py`), exactly.
 
 Why this file is long: `RolloutCallback` is the class a run configures as `rollout:`, and its
-twenty-five options are documented on it (≈ 75 lines, what `--help` shows); what it
+twenty-six options are documented on it (≈ 80 lines, what `--help` shows); what it
 orchestrates lives in the modules named above, the hint check (`hint_check.py`) and the teacher
 guard (`teacher_guard.py`) among them.
 """
@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from composer_lightning.callbacks.samples import write_samples
+from composer_lightning.chat.hints import HINT_TEMPLATE, check_hint_template
 from composer_lightning.engines.base import (
     EngineContext,
     RolloutEngine,
@@ -204,6 +205,11 @@ class RolloutCallback(L.Callback):
         hint_placebo: give every hinted turn the hint of a different problem of the batch (a
             seeded shuffle between groups): the control that shows a hint's gain comes from
             what it says, not from the extra teacher signal.
+        hint_template: each hint's text as the teacher (and the check, and the hinted replies)
+            reads it, `{hint}` where the hint goes; default `"{hint}"`, the hint itself.
+            `"{hint}\n\nCorrectly solve the original question."` ends it as SDPO's reference
+            ends every teacher context, so the hinted policy solves the question again
+            instead of answering the hint as a message (docs/benchmarks/composition.md).
         teacher_guard: turn the teacher heads off for the rest of the run once the student's
             greedy accuracy on the checked problems falls beyond noise below its accuracy
             before the first update while the teacher acts (`rollout/teacher_guard.py`; said
@@ -239,6 +245,7 @@ class RolloutCallback(L.Callback):
         hint_placebo: bool = False,
         teacher_replies: TeacherReplies = "below_teacher",
         teacher_guard: bool = True,
+        hint_template: str = HINT_TEMPLATE,
     ):
         check_settings(
             group_size=group_size,
@@ -288,6 +295,8 @@ class RolloutCallback(L.Callback):
         self.hint_trust, self.hint_placebo = hint_trust, bool(hint_placebo)
         check_teacher_replies(teacher_replies)
         self.teacher_replies = teacher_replies
+        check_hint_template(hint_template)
+        self.hint_template = hint_template
         if not isinstance(teacher_guard, bool):
             raise ValueError(f"teacher_guard must be true or false, got {teacher_guard!r}")
         self._guard = TeacherGuard() if teacher_guard else None
@@ -583,6 +592,7 @@ class RolloutCallback(L.Callback):
             # the check goes on once the guard stops the teacher: its figures stay logged
             hint=self.hint if reads or hinted is not None else None,
             hint_role=self.hint_role,
+            hint_template=self.hint_template,
             samples_per_step=self.samples_per_step,
             mask_truncated=self.mask_truncated_completions,
             turn_score=self.turn_score,

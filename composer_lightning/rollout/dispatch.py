@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from composer_lightning.chat.hints import HINT_TEMPLATE, fill_hint
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.prompts import PromptBatch
 from composer_lightning.rollout.episodes import Episode
@@ -68,6 +69,8 @@ class RolloutPlan:
         score: the score provider (each episode's outcome, unless its environment gave one).
         hint: the hint provider (None: no hints).
         hint_role: where the hint goes in the teacher context (`chat.teacher`).
+        hint_template: each hint's text as the teacher reads it, `{hint}` where the hint goes
+            (`chat.fill_hint`; `"{hint}"`: the hint itself).
         samples_per_step: sample rows returned, one per problem.
         mask_truncated: TRL's `mask_truncated_completions`: an episode that ran out of tokens
             keeps its reward in its group's statistics but has no token in any loss.
@@ -90,6 +93,7 @@ class RolloutPlan:
     score: ScoreProvider
     hint: HintProvider | None = None
     hint_role: str = "user"
+    hint_template: str = HINT_TEMPLATE
     samples_per_step: int = 0
     mask_truncated: bool = False
     turn_score: ScoreProvider | None = None
@@ -189,6 +193,7 @@ def build_rollout(
         if plan.hint is not None
         else ([None] * len(refs), 0)
     )
+    hints = [fill_hint(plan.hint_template, h) for h in hints]
     failures.turns = len(refs)
     groups = [batch.group_of(ref.problem) for ref in refs]
     pairs = [ref.pair for ref in refs]
