@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from composer_lightning.chat.hints import HINT_TEMPLATE, fill_hint
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.prompts import PromptBatch
 from composer_lightning.rollout.episodes import Episode
@@ -69,8 +68,7 @@ class RolloutPlan:
         score: the score provider (each episode's outcome, unless its environment gave one).
         hint: the hint provider (None: no hints).
         hint_role: where the hint goes in the teacher context (`chat.teacher`).
-        hint_template: each hint's text as the teacher reads it, `{hint}` where the hint goes
-            (`chat.fill_hint`; `"{hint}"`: the hint itself).
+        hint_template: each hint's text as it is read, `{hint}` where it goes (`chat.fill_hint`).
         samples_per_step: sample rows returned, one per problem.
         mask_truncated: TRL's `mask_truncated_completions`: an episode that ran out of tokens
             keeps its reward in its group's statistics but has no token in any loss.
@@ -93,7 +91,7 @@ class RolloutPlan:
     score: ScoreProvider
     hint: HintProvider | None = None
     hint_role: str = "user"
-    hint_template: str = HINT_TEMPLATE
+    hint_template: str = "{hint}"  # the hint itself
     samples_per_step: int = 0
     mask_truncated: bool = False
     turn_score: ScoreProvider | None = None
@@ -193,7 +191,6 @@ def build_rollout(
         if plan.hint is not None
         else ([None] * len(refs), 0)
     )
-    hints = [fill_hint(plan.hint_template, h) for h in hints]
     failures.turns = len(refs)
     groups = [batch.group_of(ref.problem) for ref in refs]
     pairs = [ref.pair for ref in refs]
@@ -207,6 +204,7 @@ def build_rollout(
         plan.hint_role,
         plan.score,
         plan.teacher,
+        plan.hint_template,
     )
     if plan.teacher_replies != "all" and plan.teacher:
         judged = [own[k] or ref.last for k, ref in enumerate(refs)]  # Dr. GRPO's baseline

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any, Literal, cast
 
+from composer_lightning.chat.hints import HINT_TEMPLATE, fill_hint
 from composer_lightning.engines.base import Completion, SamplingConfig
 from composer_lightning.rollout.hinted import HintedTurn, episode_turn, first_per_group
 from composer_lightning.rollout.providers import (
@@ -287,15 +288,17 @@ def checked_hints(
     hint_role: str,
     score: ScoreProvider,
     teacher: bool,
+    template: str = HINT_TEMPLATE,
 ) -> tuple[list[Any], list[Any], StepMetrics]:
-    """A batch's hints as the dispatch uses them: with `placebo_seed` each another problem's
-    (`placebo_hints`); the rows' teacher hints (none without `teacher`, a head that reads
-    one), only in the groups `check` trusts.
+    """A batch's hints as the dispatch uses them: each put in `template` (`chat.fill_hint`);
+    with `placebo_seed` each another problem's (`placebo_hints`); the rows' teacher hints (none
+    without `teacher`, a head that reads one), only in the groups `check` trusts.
 
     Returns:
         The hints (what the hinted replies and the sample rows use), the rows' teacher hints,
         and the check's `hint/...` metrics.
     """
+    hints = [fill_hint(template, h) for h in hints]
     if placebo_seed is not None:
         hints = placebo_hints(hints, groups, placebo_seed)
     rows = hints if teacher else [None] * len(hints)  # else they only seed hinted replies
