@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from composer_lightning.callbacks.samples import write_samples
-from composer_lightning.chat.hints import HINT_TEMPLATE, check_hint_template
+from composer_lightning.chat.hints import HINT_TEMPLATE
 from composer_lightning.engines.base import (
     EngineContext,
     RolloutEngine,
@@ -259,6 +259,8 @@ class RolloutCallback(L.Callback):
             engine_timeout=engine_timeout,
             max_turns=max_turns,
             max_episode_tokens=max_episode_tokens,
+            hint_template=hint_template,
+            teacher_guard=teacher_guard,
         )
         self.engine, self.group_size = engine, group_size
         self.sampling = sampling or SamplingConfig()
@@ -295,10 +297,7 @@ class RolloutCallback(L.Callback):
         self.hint_trust, self.hint_placebo = hint_trust, bool(hint_placebo)
         check_teacher_replies(teacher_replies)
         self.teacher_replies = teacher_replies
-        check_hint_template(hint_template)
         self.hint_template = hint_template
-        if not isinstance(teacher_guard, bool):
-            raise ValueError(f"teacher_guard must be true or false, got {teacher_guard!r}")
         self._guard = TeacherGuard() if teacher_guard else None
         self._check_figures: StepMetrics | None = None  # this step's check, for agree
         self._heldout0 = (0.0, 0.0)  # (solved, prompts) of the held-out set at step 0

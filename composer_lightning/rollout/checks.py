@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from composer_lightning.chat import check_hint_role
+from composer_lightning.chat import check_hint_role, check_hint_template
 from composer_lightning.engines.base import GREEDY_BELOW, RolloutEngine, SamplingConfig
 from composer_lightning.heads.base import HINTED_REPLIES, TEACHER_SIGNALS
 from composer_lightning.rollout.hint_check import HINT_TRUST, TEACHER_REPLIES
@@ -235,6 +235,8 @@ def check_settings(
     engine_timeout: float | None,
     max_turns: Any,
     max_episode_tokens: int | None,
+    hint_template: str,
+    teacher_guard: Any,
 ) -> None:
     """ValueError naming the bad value, for the rollout callback's own settings."""
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
@@ -248,6 +250,9 @@ def check_settings(
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     check_hint_role(hint_role)
+    check_hint_template(hint_template)
+    if not isinstance(teacher_guard, bool):
+        raise ValueError(f"teacher_guard must be true or false, got {teacher_guard!r}")
     if sampling.greedy:
         raise ValueError(
             f"training rollouts must sample: sampling.temperature must be >= {GREEDY_BELOW} "
