@@ -369,3 +369,36 @@ def test_the_callback_refuses_a_template_without_the_hint():
         match=r"hint_template must be text holding \{hint\} once .where the hint goes., got 'Solve it.'",
     ):
         RolloutCallback(HFEngine(model_path=tiny_policy_path(), seed=0), hint_template="Solve it.")
+
+
+def test_serve_teaches_with_the_judges_hint_in_the_template(tokenizer, tmp_path):
+    """`serve` reads `hint_template` as `fit` does: the judge's hint, stored as it came, goes
+    into the template where the teacher reads it; the default is the hint itself."""
+    from composer_lightning.chat import render_ids
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.serve.store import TurnStore
+    from composer_lightning.serve.training import ServeCallback
+    from composer_lightning.tasks.feedback import FeedbackScore
+
+    messages = [{"role": "user", "content": "What is 1 + 2?"}]
+    prompt = render_ids(tokenizer, messages, add_generation_prompt=True)
+    store = TurnStore(tmp_path / "turns.sqlite")
+    store.record("s", messages, prompt, [29, 1], "3", [-0.5, -0.1], 0)
+    store.end_session("s")
+    (turn,) = store.claim_ready(1, claimant="j")
+    store.set_judged(turn.id, 1.0, "It is 3.", claimant="j")
+    turn = store.get(turn.id)
+    again = "{hint}\n\nCorrectly solve the original question."
+    for template, said in (("{hint}", "It is 3."), (again, again.replace("{hint}", "It is 3."))):
+        cb = ServeCallback(
+            HFEngine(model_path=tiny_policy_path()), score=FeedbackScore(),
+            hint_role="inline", hint_template=template,
+        )  # fmt: skip
+        cb.store, cb._launch = store, 0
+        ids = single_turn_teacher(tokenizer, messages, [29, 1], said, "inline").teacher_ids
+        rb = cb.samples([turn], tokenizer, version=0)
+        assert rb.teacher_input_ids[0, : len(ids)].tolist() == ids
+        assert store.get(turn.id).hint == "It is 3."  # the store keeps the judge's own text
+    with pytest.raises(ValueError, match=r"hint_template must be text holding \{hint\} once"):
+        ServeCallback(HFEngine(model_path=tiny_policy_path()), score=FeedbackScore(),
+                      hint_template="Solve it.")  # fmt: skip

@@ -47,6 +47,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from composer_lightning.chat.hints import HINT_TEMPLATE, fill_hint
 from composer_lightning.chat.tool_calls import check_format
 from composer_lightning.engines.base import (
     Completion,
@@ -91,6 +92,8 @@ class ServeCallback(RolloutCallback):
         score: the per-turn score provider (e.g. `NextStateJudgeScore`, the m-vote PRM).
         hint: the per-turn hint provider (e.g. `NextStateJudgeHint`); None: no teacher.
         hint_role: role of the message that carries the hint.
+        hint_template: the hint's text as the teacher reads it, with `{hint}` where the judge's
+            hint goes (`rollout.hint_template`; "{hint}": the hint itself).
         max_staleness: judged turns sampled more than this many versions ago are dropped.
         host, port: where to listen (127.0.0.1; port 0: a free one, printed at start).
         api_key: the bearer token clients must send, or one per client (sessions are owned
@@ -119,6 +122,7 @@ class ServeCallback(RolloutCallback):
         score: ScoreProvider | None = None,
         hint: HintProvider | None = None,
         hint_role: str = "user",
+        hint_template: str = HINT_TEMPLATE,
         max_staleness: int = 4,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -143,6 +147,7 @@ class ServeCallback(RolloutCallback):
             cast(Literal["user", "system", "inline"], hint_role),  # checked in setup
             samples_every_n_steps=0,
             val_samples=1,
+            hint_template=hint_template,
         )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -453,7 +458,13 @@ class ServeCallback(RolloutCallback):
             c = Completion(list(t.response_ids), list(t.logprobs), "stop")
             rows.append(
                 rollout_sample(
-                    tokenizer, t.messages, t.prompt_ids, c, t.hint, self.hint_role, t.tools
+                    tokenizer,
+                    t.messages,
+                    t.prompt_ids,
+                    c,
+                    fill_hint(self.hint_template, t.hint),
+                    self.hint_role,
+                    t.tools,
                 )
             )
         rb = pack_samples(
