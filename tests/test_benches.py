@@ -115,12 +115,13 @@ SMOKES = {
     # the tiny chat policy, two problems: every hint and placement through the teacher context
     "hint_placement": Smoke(
         "hint_placement.py",
-        "--model composer_lightning/assets/tiny_policy --problems 2 --max-tokens 4 --threads 1",
+        "--model composer_lightning/assets/tiny_policy --problems 2 --max-tokens 4 --threads 1 "
+        "--hint-templates {{hint}} {{hint}}\\n\\nSolve.",  # split on spaces, then .format
         (
-            r"^\| hint \| hint_role \| right \| of \| first reply \|",
-            rf"^\| — \| — \| {NUM} \| 2 \|",
-            rf"^\| verifier's \| user \| {NUM} \| 2 \|",
-            rf"^\| answer \| inline \| {NUM} \| 2 \|",
+            r"^\| hint \| hint_template \| hint_role \| right \| of \| first reply \|",
+            rf"^\| — \| — \| — \| {NUM} \| 2 \|",
+            rf"^\| verifier's \| '\{{hint\}}' \| user \| {NUM} \| 2 \|",
+            rf"^\| answer \| '\{{hint\}}\\n\\nSolve\.' \| inline \| {NUM} \| 2 \|",
         ),
     ),
     "hinted_teacher": Smoke(
