@@ -43,6 +43,9 @@ def test_the_figures_come_from_the_check_and_the_dispatch():
     f = StepFigures.of(_step(3.0, teacher=12.0) | {"dispatch/opd_only": 4.0})
     assert f == StepFigures(score=3.0, checked=8.0, teacher_rows=16.0, rows=36.0)
     assert StepFigures.of({"dispatch/opd_rl": 3.0}) is None  # no check this step
+    # context distillation's hinted replies are the teacher's samples too
+    cd = StepFigures.of(_step(3.0, teacher=0.0) | {"hinted/replies": 8.0})
+    assert cd == StepFigures(score=3.0, checked=8.0, teacher_rows=8.0, rows=40.0)
 
 
 def test_a_fall_while_the_teacher_acts_stops_it_after_a_full_window():
@@ -190,3 +193,49 @@ def test_the_baseline_step_is_never_in_the_window():
     assert [guard.observe(s, _step(0.0)) for s in (6, 7, 8)] == [None] * 3
     assert guard.verdict(8)[0] is None  # steps 6-8: not yet a full window
     assert guard.observe(9, _step(0.0)) is not None and guard.off_from == 10
+
+
+def test_a_stopped_teacher_leaves_context_distillation_nothing_to_imitate(capsys):
+    """Context distillation's hinted replies are the teacher's samples: they count toward its
+    share, and once the guard stops the teacher none is sampled, so the head imitates
+    nothing and the run is RL alone."""
+    from composer_lightning.datamodules.rollout import RolloutDataModule
+    from composer_lightning.engines import HFEngine
+    from composer_lightning.heads.context_distill import ContextDistillHead
+    from composer_lightning.heads.dr_grpo import DrGRPOHead
+    from composer_lightning.models.tiny import tiny_policy_path
+    from composer_lightning.rollout.callback import RolloutCallback
+    from composer_lightning.rollout.hinted import HintedReplies
+    from composer_lightning.tasks import AnswerHint
+    from composer_lightning.training.module import ComposerModule
+    from tests.helpers import quiet_trainer
+
+    policy = tiny_policy_path()
+    cb = RolloutCallback(
+        HFEngine(model_path=policy, seed=0),
+        group_size=2,
+        hint=AnswerHint(),
+        hinted_replies=HintedReplies(source="hint"),  # the hint's own text: never truncated
+    )
+    # as above, a baseline of 8 of 8 and a window of one step; the share of at least a tenth
+    # (over the step before the window) is met only if the hinted replies count
+    cb._guard = TeacherGuard(window=1, z=2.0, min_share=0.1, base=(8.0, 8.0), base_step=-1)
+    record = _Record()
+    module = ComposerModule(
+        policy,
+        [DrGRPOHead(), ContextDistillHead(min_reward=None)],
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+    )
+    dm = RolloutDataModule(tokenizer=policy, prompts_per_step=4)
+    trainer = quiet_trainer(max_steps=4, callbacks=[cb, record], limit_val_batches=0)
+    trainer.fit(module, dm)
+    off = cb._guard.off_from
+    assert off is not None and 2 <= off <= 3, off  # not at step 0: no step before it yet
+    said = capsys.readouterr().out
+    assert said.count(f"teacher guard: the teacher heads are off from step {off}") == 1
+    for m in record.steps[:off]:
+        assert m["hinted/replies"] > 0 and m["hint/teacher_off"] == 0.0
+        assert StepFigures.of(m).teacher_rows == m["hinted/replies"]  # type: ignore[union-attr]
+    for m in record.steps[off:]:  # no hinted reply: context distillation imitates nothing
+        assert m.get("hinted/replies", 0.0) == 0.0 and m["hint/teacher_off"] == 1.0
+        assert m["hint/checked"] > 0  # the check still measures

@@ -210,11 +210,12 @@ class RolloutCallback(L.Callback):
             `"{hint}\n\nCorrectly solve the original question."` ends it as SDPO's reference
             ends every teacher context, so the hinted policy solves the question again
             instead of answering the hint as a message (docs/benchmarks/composition.md).
-        teacher_guard: turn the teacher heads off for the rest of the run once the student's
-            greedy accuracy on the checked problems falls beyond noise below its accuracy
-            before the first update while the teacher acts (`rollout/teacher_guard.py`; said
-            in one line, logged as `hint/teacher_off`); its baseline is steadier with
-            `val_before_train`. Needs the hint check (`max_staleness` 0). False: never.
+        teacher_guard: turn the teacher heads (and context distillation's hinted replies)
+            off for the rest of the run once the student's greedy accuracy on the checked
+            problems falls beyond noise below its accuracy before the first update while the
+            teacher acts (`rollout/teacher_guard.py`; said in one line, logged as
+            `hint/teacher_off`); its baseline is steadier with `val_before_train`. Needs the
+            hint check (`max_staleness` 0). False: never.
     """
 
     def __init__(
@@ -582,8 +583,10 @@ class RolloutCallback(L.Callback):
         metrics.max("rollout/fingerprint_params", compared)
         share_trainer_state([self.score, self.hint, self.turn_score], trainer)
         reads = module_reads(pl_module, TEACHER_SIGNALS)
-        teacher = reads and not (self._guard is not None and self._guard.off)
-        hinted, check = made.hinted, made.check
+        off = self._guard is not None and self._guard.off  # the teacher guard stopped it
+        teacher, hinted, check = reads and not off, made.hinted, made.check
+        if hinted is not None and off:  # context distillation has no hinted reply either
+            hinted = replace(hinted, off=True)
         plan = RolloutPlan(
             dm.tokenizer,
             sampling.max_tokens,

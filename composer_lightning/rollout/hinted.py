@@ -232,12 +232,15 @@ def sample_hinted(
 @dataclass
 class HintedSampler:
     """How one rollout batch samples its hinted replies: the settings, the rollout's
-    `generate` and its sampling settings with this batch's seed for them."""
+    `generate` and its sampling settings with this batch's seed for them; `off`: the teacher
+    guard stopped the teacher (`teacher_guard.py`), so no turn gets a hinted reply (the batch's
+    `hinted` is empty, and a collective `generate` still runs)."""
 
     settings: HintedReplies
     generate: Callable[[list[list[int]], int, SamplingConfig], list[list[Completion]]]
     sampling: SamplingConfig
     collective: bool = False
+    off: bool = False
 
     def from_turns(
         self,
@@ -256,7 +259,7 @@ class HintedSampler:
             for (episode, t), group, first in zip(
                 turns, groups, map(hint_candidates, hints), strict=True
             )
-            if first
+            if first and not self.off
         ]
         chosen = first_per_group(hinted, self.settings.per_group, group=itemgetter(0))
         return sample_hinted(

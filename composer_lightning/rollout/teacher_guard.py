@@ -23,6 +23,11 @@ is compared with the student's accuracy before the first update:
   two-proportion test). The run goes on as RL alone; a line says so, and `hint/teacher_off`
   logs it.
 
+The teacher's samples are the rows with a teacher signal (OPD, top-k OPD, SDPO) and the replies
+the hinted teacher wrote for context distillation (`hinted/replies`); once it is off, neither
+is made (told a worked reply, the hinted SmolLM2 writes "…you indeed get 55.", which passes the
+verifier, so context distillation imitates the tone as SDPO distils it).
+
 Replayed on the logged runs of the fresh SmolLM2 task and of Gemma 3 (window 4, z 2, share
 0.1), it stops the worked-reply SDPO run at step 8 and none of the nine healthy runs (their
 largest z 2.3, in a Gemma run where the teacher had 4 % of the samples). A false stop costs the
@@ -58,8 +63,11 @@ class StepFigures:
         checked = float(reduced.get("hint/checked", 0.0))
         if checked <= 0:
             return None
-        teacher = float(reduced.get("dispatch/opd_rl", 0.0)) + float(
-            reduced.get("dispatch/opd_only", 0.0)
+        # the teacher's samples: rows with a teacher signal, and the replies the hinted
+        # teacher wrote for context distillation to imitate
+        teacher = sum(
+            float(reduced.get(k, 0.0))
+            for k in ("dispatch/opd_rl", "dispatch/opd_only", "hinted/replies")
         )
         return cls(
             score=float(reduced["hint/student_accuracy"]) * checked,
