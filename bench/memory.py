@@ -3,7 +3,8 @@
     python bench/memory.py [--shapes 16x256 32x512] [--threads 2] [--steps 2] [--hidden 896]
     python bench/memory.py --shapes 16x160 --hidden 64 --mmap-threshold
     python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512] [--repeats 5]
-    python bench/memory.py --smoke [--micro-rows 4]
+    python bench/memory.py --chunk-mib 4 8 16 32 64 128 [--shapes 16x160] [--hidden 896]
+    python bench/memory.py --smoke [--micro-rows 4] [--chunk-mib 1 2]
 
 A Qwen2.5-0.5B-wide policy (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV heads,
 tied embeddings) with 2 layers; all heads: Dr. GRPO + OPD (teacher = the policy given the
@@ -41,6 +42,12 @@ per minibatch vs micro-batches under a fixed token budget (`max_tokens_per_micro
 micro-batched step's peak memory and time per token should stay flat in the batch size.
 `--repeats N` runs each of them in N processes and takes the median peak and time: the peak
 moves between identical runs (1.01–1.34 GiB at 32 x 160, docs/benchmarks/memory.md).
+
+`--chunk-mib`: instead, the chunked path alone at each LM-head chunk size (MiB of fp32 logits
+a chunk, i.e. `chunk_size` = MiB * 2**18 / V tokens): its extra memory should fall as the chunk
+shrinks (only one chunk's `[n, V]` logits are alive, in the forward and in the recompute) and
+its time should not grow until the chunks are too small to amortise one pass over the `[V, H]`
+weight gradient each (`training/hidden.py`'s H / 8 floor).
 
 `--smoke`: the same runs on a policy of tiny widths (`SMOKE_WIDTHS`), one step of 4 x 32 on
 one thread (`--micro-rows`: T = 32, micro-batches of 64 tokens): a check that every path of the
@@ -217,7 +224,14 @@ class Recorder(L.Callback):
 
 
 def worker(
-    path: str, B: int, T: int, steps: int, threads: int, checkpointing: bool, widths: dict
+    path: str,
+    B: int,
+    T: int,
+    steps: int,
+    threads: int,
+    checkpointing: bool,
+    widths: dict,
+    chunk_size: int | None = None,
 ) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -243,6 +257,7 @@ def worker(
         teacher_cap=None,
         activation_checkpointing=checkpointing,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6),
+        chunk_size=chunk_size,
         **micro,
     )
     g = torch.Generator().manual_seed(1)
@@ -302,6 +317,7 @@ def run(
     checkpointing: bool,
     smoke: bool,
     hidden: int | None = None,
+    chunk_size: int | None = None,
 ) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if path == "chunked-mmap":  # glibc's mmap threshold fixed: freed tensors leave the process
@@ -321,7 +337,8 @@ def run(
         ]
         + ([] if checkpointing else ["--no-checkpointing"])
         + (["--smoke"] if smoke else [])
-        + ([] if hidden is None else ["--hidden", str(hidden)]),
+        + ([] if hidden is None else ["--hidden", str(hidden)])
+        + ([] if chunk_size is None else ["--chunk-size", str(chunk_size)]),
         capture_output=True,
         text=True,
         env=env,
@@ -378,19 +395,31 @@ def main() -> None:
         action="store_true",
         help="also the chunked path with MALLOC_MMAP_THRESHOLD_=1048576 (glibc)",
     )
+    ap.add_argument(
+        "--chunk-mib",
+        nargs="+",
+        type=float,
+        default=None,
+        help="instead: the chunked path alone at these LM-head chunk sizes (MiB of fp32 logits)",
+    )
+    ap.add_argument("--chunk-size", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     widths = widths_for(args.smoke, args.hidden)
     if args.worker:
         B, T = map(int, args.worker[1].split("x"))
         ckpt = not args.no_checkpointing
-        print(json.dumps(worker(args.worker[0], B, T, args.steps, args.threads, ckpt, widths)))
+        r = worker(args.worker[0], B, T, args.steps, args.threads, ckpt, widths, args.chunk_size)
+        print(json.dumps(r))
         return
     if args.smoke:
         args.shapes, args.steps, args.threads = ["4x32"], 1, 1
         args.micro_T, args.micro_tokens = 32, 64
     if args.micro_rows:
         exit_on_errors(micro_table(args))
+        return
+    if args.chunk_mib:
+        exit_on_errors(chunk_table(args, widths))
         return
     avail = args.memory_gib or _mem_available_gib()
     rows, first_full = [], None
@@ -588,6 +617,49 @@ def micro_table(args: argparse.Namespace) -> list[dict]:
             ]
             print(f"| {o1['B']} → {o2['B']} | {marginal[0]:.2f} | {marginal[1]:.2f} |")
     return [r for _, one, micro in rows for r in (one, micro)]
+
+
+def chunk_table(args: argparse.Namespace, widths: dict) -> list[dict]:
+    """The chunked path alone at each LM-head chunk size, each (shape, size) its own process:
+    what the step adds over the warm-up, and its time, as the chunk shrinks."""
+    vocab, ckpt = widths["vocab_size"], not args.no_checkpointing
+    runs = []
+    print(
+        f"policy {widths} + frozen reference copy; AdamW; {args.threads} thread(s); median of "
+        f"{args.steps} step(s); activation checkpointing {'on' if ckpt else 'off'}; "
+        f"malloc {'tcmalloc' if 'tcmalloc' in os.environ.get('LD_PRELOAD', '') else 'glibc'}"
+    )
+    print(
+        "| B x T | chunk (MiB of fp32 logits) | chunk tokens | extra | over state | peak | "
+        "s/step | time / largest chunk's | loss |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        B, T = map(int, shape.split("x"))
+        rows = []
+        for mib in args.chunk_mib:
+            tokens = max(1, round(mib * 2**20 / 4 / vocab))
+            r = run("chunked", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden, tokens)
+            print(json.dumps({"shape": shape, "chunk_mib": mib, "run": r}), file=sys.stderr)
+            rows.append((mib, tokens, r))
+            runs.append(r)
+        ok = [r for _, _, r in rows if "error" not in r]
+        largest = max(rows, key=lambda row: row[0])[2]
+        for mib, tokens, r in rows:
+            if (error := first_error(r)) is not None:
+                print(f"| {shape} | {mib:g} | {tokens} | error: {error} |")
+                continue
+            ratio = (
+                f"{r['step_s'] / largest['step_s']:.2f}" if "error" not in largest else "—"
+            )
+            print(
+                f"| {shape} | {mib:g} | {tokens} | {r['extra_GiB']:.3f} GiB | "
+                f"{r['state_extra_GiB']:.3f} GiB | {r['peak_GiB']:.2f} GiB | {r['step_s']:.2f} | "
+                f"{ratio} | {r['losses'][0]:.6f} |"
+            )
+        if len({round(r["losses"][0], 5) for r in ok}) > 1:
+            print(f"{shape}: the losses differ between chunk sizes (see the table)")
+    return runs
 
 
 def _mem_available_gib() -> float:

@@ -180,6 +180,17 @@ SMOKES = {
         ),
         agree=("one", "micro"),
     ),
+    # the chunked path alone at two LM-head chunk sizes (5 and 26 tokens of the 512-entry
+    # vocabulary): the same loss whatever the chunk
+    "memory_chunks": Smoke(
+        "memory.py",
+        "--smoke --chunk-mib 0.01 0.05",
+        (
+            rf"^\| 4x32 \| 0.01 \| 5 \| {NUM} GiB \| {NUM} GiB \| {NUM} GiB \| {NUM} \| {NUM} \| (?P<small>{NUM}) \|$",
+            rf"^\| 4x32 \| 0.05 \| 26 \| {NUM} GiB \| {NUM} GiB \| {NUM} GiB \| {NUM} \| 1.00 \| (?P<large>{NUM}) \|$",
+        ),
+        agree=("small", "large"),
+    ),
     # 1 and 2 clients, 2 requests of 2 tokens, through the endpoint batched and one at a time
     "serve_load": Smoke(
         "serve_load.py",
