@@ -639,7 +639,9 @@ def chunk_table(args: argparse.Namespace, widths: dict) -> list[dict]:
         rows = []
         for mib in args.chunk_mib:
             tokens = max(1, round(mib * 2**20 / 4 / vocab))
-            r = run("chunked", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden, tokens)
+            r = run(
+                "chunked", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden, tokens
+            )
             print(json.dumps({"shape": shape, "chunk_mib": mib, "run": r}), file=sys.stderr)
             rows.append((mib, tokens, r))
             runs.append(r)
@@ -649,9 +651,7 @@ def chunk_table(args: argparse.Namespace, widths: dict) -> list[dict]:
             if (error := first_error(r)) is not None:
                 print(f"| {shape} | {mib:g} | {tokens} | error: {error} |")
                 continue
-            ratio = (
-                f"{r['step_s'] / largest['step_s']:.2f}" if "error" not in largest else "—"
-            )
+            ratio = f"{r['step_s'] / largest['step_s']:.2f}" if "error" not in largest else "—"
             print(
                 f"| {shape} | {mib:g} | {tokens} | {r['extra_GiB']:.3f} GiB | "
                 f"{r['state_extra_GiB']:.3f} GiB | {r['peak_GiB']:.2f} GiB | {r['step_s']:.2f} | "
