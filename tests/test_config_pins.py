@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from composer_lightning.heads.base import TEACHER_SIGNALS
+from composer_lightning.heads.base import HINTED_SIGNALS, TEACHER_SIGNALS
 from tests.helpers import ROOT
 
 #: What a config whose heads read a hinted teacher states: `model.<key>` (and, with a cap,
@@ -27,6 +27,10 @@ from tests.helpers import ROOT
 #: `rollout.init_args.<key>`.
 MODEL_PINS = ("teacher_cap",)
 ROLLOUT_PINS = ("hint_trust", "teacher_replies", "teacher_guard", "hint_template")
+#: ... of which a config whose hint heads only imitate hinted replies (context distillation,
+#: capped and guarded like a teacher, but with no teacher for the check or `teacher_replies`)
+#: states these
+DISTILL_PINS = ("teacher_guard", "hint_template")
 ROLLOUT_CALLBACK = "composer_lightning.rollout.callback.RolloutCallback"
 
 
@@ -54,13 +58,14 @@ def shipped() -> dict[str, dict]:
     return out
 
 
-def teacher_heads(config: dict) -> list[str]:
-    """The names of the config's heads whose class requires a hinted teacher."""
+def teacher_heads(config: dict, signals: frozenset[str] = HINTED_SIGNALS) -> list[str]:
+    """The names of the config's heads whose class requires one of `signals` (default: a
+    hinted teacher or the hinted context's replies)."""
     names = []
     for head in (config.get("model") or {}).get("heads") or []:
         module, _, name = head["class_path"].rpartition(".")
         cls = getattr(importlib.import_module(module), name)
-        if set(getattr(cls, "requires", ())) & TEACHER_SIGNALS:
+        if set(getattr(cls, "requires", ())) & signals:
             names.append(name)
     return names
 
@@ -77,7 +82,8 @@ def unstated(config: dict) -> list[str]:
     rollout = config.get("rollout") or {}
     if rollout.get("class_path") == ROLLOUT_CALLBACK:
         args = rollout.get("init_args") or {}
-        missing += [f"rollout.init_args.{key}" for key in ROLLOUT_PINS if key not in args]
+        pins = ROLLOUT_PINS if teacher_heads(config, TEACHER_SIGNALS) else DISTILL_PINS
+        missing += [f"rollout.init_args.{key}" for key in pins if key not in args]
     return missing
 
 
@@ -96,8 +102,8 @@ def test_a_config_with_a_teacher_head_states_the_composition_options(name):
 
 def test_the_check_sees_each_kind_of_omission():
     """A teacher head without the pins fails, with each missing key named; with them, or with
-    no teacher head (Dr. GRPO alone, context distillation), it passes; `serve`'s callback
-    needs only the model's."""
+    no teacher head (Dr. GRPO alone) it passes; context distillation states the cap, the guard
+    and the template; `serve`'s callback needs only the model's."""
     opd = {"class_path": "composer_lightning.heads.opd.OPDHead"}
     grpo = {"class_path": "composer_lightning.heads.dr_grpo.DrGRPOHead"}
     distill = {"class_path": "composer_lightning.heads.context_distill.ContextDistillHead"}
@@ -126,7 +132,13 @@ def test_the_check_sees_each_kind_of_omission():
         },
     )
     assert unstated(pinned) == []
-    assert unstated({"model": {"heads": [grpo, distill]}, "rollout": rollout}) == []
+    assert unstated({"model": {"heads": [grpo]}, "rollout": rollout}) == []
+    assert unstated({"model": {"heads": [grpo, distill]}, "rollout": rollout}) == [
+        "model.teacher_cap",
+        "model.teacher_alone",
+        "rollout.init_args.teacher_guard",
+        "rollout.init_args.hint_template",
+    ]
     serve = {"class_path": "composer_lightning.serve.ServeCallback", "init_args": {}}
     assert unstated({"model": {"heads": [opd]}, "rollout": serve}) == [
         "model.teacher_cap",

@@ -11,8 +11,10 @@ from torch.utils.data import DataLoader
 
 from composer_lightning.datamodules.synthetic import synthetic_batch
 from composer_lightning.functional.gradients import hidden_gradients
+from composer_lightning.heads.context_distill import ContextDistillHead
 from composer_lightning.heads.dr_grpo import DrGRPOHead
 from composer_lightning.heads.opd import OPDHead
+from composer_lightning.protocols.batch import RolloutBatch, pad_rows
 from composer_lightning.protocols.step import StepContext
 from composer_lightning.training.mixer import teacher_cap_scales
 from composer_lightning.training.module import ComposerModule
@@ -147,6 +149,64 @@ def test_where_no_group_has_signal_an_opd_step_leaves_the_policy_as_it_was(micro
     assert alone.objective.teacher_alone == 0.2  # the default
     assert float(metrics["opd/cap_scale"]) == pytest.approx(0.2)
     # SGD: the step is linear in the weight, so it is a fifth of the uncapped one
+    for k, v in alone.policy.state_dict().items():
+        torch.testing.assert_close(
+            v - before[k], 0.2 * (uncapped.policy.state_dict()[k] - before[k]), rtol=1e-5, atol=1e-7
+        )
+
+
+def _distill_step(tie: bool, **options) -> tuple[ComposerModule, dict, dict]:
+    """One SGD step (lr 1, no clipping) of Dr. GRPO + context distillation on the tiny model,
+    two hinted replies per group to imitate: the module, the step's logged metrics and the
+    weights before. `tie`: every group's rewards equal (no RL gradient)."""
+    g = torch.Generator().manual_seed(3)
+    batch = synthetic_batch(g, prompts=2, group_size=2, vocab_size=64, reward_prob=1.0)
+    if tie:
+        batch.rewards = torch.ones_like(batch.rewards)
+    replies = [(0, [5, 6, 7], [11, 12, 13, 2]), (1, [8, 9], [15, 16, 17, 18, 2])]
+    seqs = [p + r for _, p, r in replies]
+    batch.hinted = RolloutBatch(
+        input_ids=pad_rows(seqs),
+        attention_mask=pad_rows([[1] * len(s) for s in seqs]),
+        response_mask=pad_rows(
+            [[False] * len(p) + [True] * len(r) for _, p, r in replies], dtype=torch.bool
+        ),
+        rewards=torch.ones(2),
+        has_reward=torch.ones(2, dtype=torch.bool),
+        group_ids=torch.tensor([g for g, *_ in replies]),
+        max_response_length=8,
+    )
+    module = ComposerModule(
+        tiny_model(),
+        [DrGRPOHead(), ContextDistillHead(weight=5.0)],
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        max_grad_norm=None,
+        **options,
+    )
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
+    return module, trainer.callback_metrics, before
+
+
+@pytest.mark.parametrize("micro", [None, 3])
+def test_context_distillation_is_capped_at_its_own_replies_states(micro):
+    """Context distillation's NLL is on the hinted replies, other sequences than the batch's:
+    the cap measures its gradient at those replies' final hidden states, so it pulls at most
+    `teacher_cap` times the RL heads (`min(1, cap · ‖g_rl‖ / ‖g_cd‖)` from the norms the
+    uncapped step logs), and at `teacher_alone` times its weight where RL has no gradient."""
+    _, free, _ = _distill_step(False, teacher_cap=None, grad_share_every_n_steps=1)
+    n_rl, n_cd = float(free["dr_grpo/grad_norm"]), float(free["context_distill/grad_norm"])
+    assert n_rl > 0 and n_cd > 5 * n_rl  # the imitation pulls harder than a fifth of RL
+    _, capped, _ = _distill_step(False, micro_batch_size=micro)
+    assert float(capped["context_distill/cap_scale"]) == pytest.approx(0.2 * n_rl / n_cd, rel=1e-4)
+    assert float(capped["context_distill/weight"]) == pytest.approx(
+        5.0 * 0.2 * n_rl / n_cd, rel=1e-4
+    )
+    # no RL gradient: the imitation moves the policy at a fifth of its weight (SGD is linear)
+    uncapped, _, before = _distill_step(True, teacher_cap=None)
+    alone, metrics, _ = _distill_step(True, micro_batch_size=micro)
+    assert float(metrics["context_distill/cap_scale"]) == pytest.approx(0.2)
     for k, v in alone.policy.state_dict().items():
         torch.testing.assert_close(
             v - before[k], 0.2 * (uncapped.policy.state_dict()[k] - before[k]), rtol=1e-5, atol=1e-7

@@ -70,6 +70,11 @@ TEACHER_SIGNALS = frozenset(
     {"teacher_logprobs", "teacher_hidden", "teacher_logits", "teacher_topk"}
 )
 
+#: What the module's `teacher_cap` bounds: a head that reads a hinted teacher, or that imitates
+#: the replies the hinted context wrote (context distillation), pulls at most `teacher_cap`
+#: times as hard as the rest (the RL signal).
+HINTED_SIGNALS = TEACHER_SIGNALS | HINTED_REPLIES
+
 
 @dataclass
 class HeadOutput:

@@ -125,10 +125,12 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             Costs one backward through the chunked LM head per head every step (and, with
             micro-batches, keeps the minibatch's `[B, T, H]` states). Exclusive with
             `variance_matching`. None disables it.
-        teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) pulls on the
-            policy at most `teacher_cap` (default 0.2: a fifth) times as hard as the other heads
-            together (the RL signal), measured each minibatch at the final hidden states: a
-            teacher's per-token signal refines what RL learns (`Objective`). Logged as
+        teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) or imitates the
+            hinted context's replies (context distillation) pulls on the policy at most
+            `teacher_cap` (default 0.2: a fifth) times as hard as the other heads together (the
+            RL signal), measured each minibatch at the final hidden states (context
+            distillation's at its own replies'): a teacher's signal refines what RL learns
+            (`Objective`). Logged as
             `<head>/weight` and `<head>/cap_scale`. None: uncapped (the behaviour before);
             ignored with either matching option.
         teacher_alone: under `teacher_cap`, the teacher heads' weight scale (in [0, 1]) on a

@@ -40,7 +40,7 @@ from composer_lightning.functional.gradients import (
     scaled_gram,
 )
 from composer_lightning.functional.policy import AGGREGATION_MODES
-from composer_lightning.heads.base import TEACHER_SIGNALS, Head, HeadOutput
+from composer_lightning.heads.base import HINTED_SIGNALS, TEACHER_SIGNALS, Head, HeadOutput
 from composer_lightning.protocols.batch import RolloutBatch
 from composer_lightning.protocols.step import StepContext
 from composer_lightning.runtime.distributed import StepMetrics, agree, world
@@ -87,9 +87,10 @@ class Objective:
             norm is `w_h / w_ref` times the reference's (`mixer.py`); measured before the loss
             is formed: one backward through the chunked LM head per head, every step.
             Exclusive with `variance_matching`.
-        teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) pulls on the
-            policy at most `teacher_cap` (default 0.2) times as hard as the other heads together
-            (the RL signal): each minibatch its weight is scaled by `min(1, teacher_cap · ‖g_rest‖ /
+        teacher_cap: a head that reads a hinted teacher (OPD, top-k OPD, SDPO) or imitates the
+            hinted context's replies (context distillation) pulls on the policy at most
+            `teacher_cap` (default 0.2) times as hard as the other heads together (the RL
+            signal): each minibatch its weight is scaled by `min(1, teacher_cap · ‖g_rest‖ /
             ‖g_h‖)`, the norms of the weighted pieces' gradients at the final hidden states
             (over all ranks, detached; `mixer.teacher_cap_scales`), logged as `<head>/weight`.
             Where the rest has no gradient (no group with both a right and a wrong reply) the
@@ -203,7 +204,8 @@ class Objective:
         ):
             raise ValueError(f"teacher_alone must be a number in [0, 1], got {teacher_alone!r}")
         self.teacher_alone = float(teacher_alone)
-        self.teachers = {h.name for h in self.heads if h.requires & TEACHER_SIGNALS}
+        # capped by `teacher_cap`: the heads a hint speaks through (context distillation too)
+        self.teachers = {h.name for h in self.heads if h.requires & HINTED_SIGNALS}
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.aggregation, self.entropy_coef = aggregation, entropy_coef
         if importance_cap is not None and not importance_cap >= 1:
