@@ -130,9 +130,8 @@ class ComposerModule(CheckpointHooks, L.LightningModule):
             `teacher_cap` (default 0.2: a fifth) times as hard as the other heads together (the
             RL signal), measured each minibatch at the final hidden states (context
             distillation's at its own replies'): a teacher's signal refines what RL learns
-            (`Objective`). Logged as
-            `<head>/weight` and `<head>/cap_scale`. None: uncapped (the behaviour before);
-            ignored with either matching option.
+            (`Objective`). Logged as `<head>/weight` and `<head>/cap_scale`. None: uncapped
+            (the behaviour before); ignored with either matching option.
         teacher_alone: under `teacher_cap`, the teacher heads' weight scale (in [0, 1]) on a
             minibatch where the other heads have no gradient (every group's replies score
             the same, so RL has no signal and a trusted teacher is the only one): default
