@@ -4,7 +4,7 @@
     python bench/memory.py --shapes 16x160 --hidden 64 --mmap-threshold
     python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512] [--repeats 5]
     python bench/memory.py --chunk-mib 4 8 16 32 64 128 [--shapes 16x160] [--hidden 896]
-    python bench/memory.py --smoke [--micro-rows 4] [--chunk-mib 1 2]
+    python bench/memory.py --smoke [--micro-rows 4] [--chunk-mib 0.01 0.05]
 
 A Qwen2.5-0.5B-wide policy (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV heads,
 tied embeddings) with 2 layers; all heads: Dr. GRPO + OPD (teacher = the policy given the
@@ -91,6 +91,7 @@ from composer_lightning.heads.opd import OPDHead  # noqa: E402
 from composer_lightning.heads.replay_dpo import ReplayDPOHead  # noqa: E402
 from composer_lightning.heads.sdpo import SDPOHead  # noqa: E402
 from composer_lightning.protocols.step import RolloutTargets, StepContext  # noqa: E402
+from composer_lightning.runtime.allocator import malloc_in_use  # noqa: E402
 from composer_lightning.training.module import ComposerModule  # noqa: E402
 
 QWEN_WIDTHS = dict(
@@ -627,7 +628,7 @@ def chunk_table(args: argparse.Namespace, widths: dict) -> list[dict]:
     print(
         f"policy {widths} + frozen reference copy; AdamW; {args.threads} thread(s); median of "
         f"{args.steps} step(s); activation checkpointing {'on' if ckpt else 'off'}; "
-        f"malloc {'tcmalloc' if 'tcmalloc' in os.environ.get('LD_PRELOAD', '') else 'glibc'}"
+        f"{malloc_in_use()} (the workers inherit its LD_PRELOAD)"
     )
     print(
         "| B x T | chunk (MiB of fp32 logits) | chunk tokens | extra | over state | peak | "
