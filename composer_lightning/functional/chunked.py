@@ -9,6 +9,11 @@ so peak memory grows with `chunk_size`, not with T x V, and the LM head's weight
 summed in place into one buffer. (The same trick as Liger-Kernel's fused linear cross-entropy
 and fused linear JSD, without the fused kernels: the price is one extra LM-head matmul per
 chunk in the backward.) An LM head with a bias is not supported.
+
+The log-probs, the step's hot path, are cut across the vocabulary instead, in tiles of the same
+memory (`chunk_size` x V logits; `vocab_tiles.py`): their gradient has a closed form given each
+row's log-normaliser, so the weight's gradient is written tile by tile, once, where a chunk of
+tokens adds into all of it. The entropies and the JSD keep the token chunks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import Tensor
 from ._checks import as_bool_mask, check_ndim, check_range, shape_str
 from .jsd import check_jsd_options, generalized_jsd_per_token
 from .logprobs import check_logits_and_ids, logit_floor, scaled_logits, upcast
+from .vocab_tiles import tiled_logprobs
 
 #: What a chunk function returns: one tensor, or a tuple whose first is differentiated.
 _Out = TypeVar("_Out", bound=Tensor | tuple[Tensor, ...])
@@ -52,8 +58,9 @@ class _LMHeadInChunks(torch.autograd.Function):
     `(onehot - softmax) / T`: `logprobs_logits_grad`). Autograd through `fn` walks the `[n, V]`
     logits about ten times (the upcast, the temperature, the floor, the log-sum-exp and their
     backwards). In bf16 that elementwise work is a large share of the LM head's backward: the
-    closed form made it 1.09x (SmolLM2) and 1.28x (Gemma 3) faster on 2 threads, 1.96x on one
-    (`bench/roofline.py`); in fp32, where the matmuls dominate, it is level.
+    closed form made it 1.09x (SmolLM2) and 1.28x (Gemma 3) faster on 2 threads, 1.96x on one;
+    in fp32, where the matmuls dominate, it was level. (The log-probs now run in vocabulary
+    tiles, `vocab_tiles.py`; this pair stays `bench/roofline.py`'s baseline for them.)
     """
 
     @staticmethod
@@ -188,10 +195,6 @@ def _chunk_entropy(
     return -(lp.exp() * lp).sum(dim=-1)
 
 
-#: Chunk functions whose logits' gradient is known in closed form (see `lm_head_in_chunks`).
-_GRADS: dict[Callable[..., Tensor], Callable[..., Tensor]] = {_chunk_logprobs: logprobs_logits_grad}
-
-
 def _check_chunk_size(chunk_size: int) -> None:
     try:  # operator.index accepts Python and NumPy integers, rejects 2.0 and "2"
         ok = operator.index(chunk_size) >= 1 and not isinstance(chunk_size, bool)
@@ -218,6 +221,7 @@ def _chunked(
             f"lm_head_weight {shape_str(weight)} must be [V, H] for hidden {shape_str(hidden)}"
         )
     b, t, h = hidden.shape
+    v = weight.shape[0]
     if mask is not None and tuple(mask.shape) != (b, t):
         raise ValueError(f"mask {shape_str(mask)} must be [B, T] = {[b, t]} like hidden")
     out_dtype = upcast(hidden[:0]).dtype
@@ -227,9 +231,12 @@ def _chunked(
     sel = None if mask is None else as_bool_mask(mask)[:, 1:]  # [B, T-1]
     flat_hidden = hidden[:, :-1].reshape(-1, h) if sel is None else hidden[:, :-1][sel]  # [N, H]
     flat_targets = input_ids[:, 1:].reshape(-1) if sel is None else input_ids[:, 1:][sel]  # [N]
-    values = lm_head_in_chunks(
-        fn, flat_hidden, weight, (flat_targets,), (temperature,), chunk_size, _GRADS.get(fn)
-    )  # [N]
+    if fn is _chunk_logprobs:  # in vocabulary tiles of the same memory (`vocab_tiles.py`)
+        values = tiled_logprobs(flat_hidden, weight, flat_targets, temperature, chunk_size * v)
+    else:
+        values = lm_head_in_chunks(
+            fn, flat_hidden, weight, (flat_targets,), (temperature,), chunk_size
+        )  # [N]
     if sel is None:
         return F.pad(values.view(b, t - 1), (1, 0))
     zeros = torch.zeros(b, t - 1, dtype=values.dtype, device=values.device)

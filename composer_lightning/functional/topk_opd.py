@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_range, shape_str
-from .chunked import lm_head_in_chunks, logprobs_logits_grad
 from .logprobs import scaled_logits
+from .vocab_tiles import tiled_logprobs
 
 SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
 SUBSETS = ("student", "teacher", "overlap")
@@ -110,11 +110,6 @@ def logprobs_at_given_lse(
     return scaled_logits(logits, temperature) - lse[:, None]
 
 
-def _chunk_logprobs_at(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
-    x = scaled_logits(logits, temperature)  # [n, V]
-    return x.gather(-1, ids) - torch.logsumexp(x, dim=-1, keepdim=True)
-
-
 def chunked_logprobs_at(
     hidden: Tensor,  # [N, H] (grad)
     weight: Tensor,  # [V, H] (grad)
@@ -123,18 +118,10 @@ def chunked_logprobs_at(
     chunk_size: int,
 ) -> Tensor:  # [N, K]
     """Global log-probs of `softmax(hidden @ weight.T / temperature)` at `ids`, with grad, in
-    recomputed chunks of tokens (only one chunk's `[n, V]` logits alive at a time)."""
+    recomputed vocabulary tiles of about `chunk_size` x V logits (`vocab_tiles.py`)."""
     if hidden.shape[0] != ids.shape[0]:
         raise ValueError(f"ids {shape_str(ids)} must have a row per hidden row {shape_str(hidden)}")
-    return lm_head_in_chunks(
-        _chunk_logprobs_at,
-        hidden,
-        weight,
-        (ids,),
-        (temperature,),
-        chunk_size,
-        logprobs_logits_grad,
-    )
+    return tiled_logprobs(hidden, weight, ids, temperature, chunk_size * weight.shape[0])
 
 
 def candidate_overlap(

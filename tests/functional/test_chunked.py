@@ -255,8 +255,8 @@ class WeightShaped(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func._schema.is_mutable:  # in place (addmm_, add_): writes an existing tensor
-            return out
+        if func._schema.is_mutable or func.is_view:  # in place (addmm_) or a view: no new
+            return out  # memory (a vocabulary tile as wide as the vocabulary is a view)
         self.count += sum(
             isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape for t in tree_leaves(out)
         )

@@ -1,0 +1,143 @@
+"""Log-probs from hidden states in tiles of the vocabulary: memory falls with the tile, time not.
+
+`lm_head_in_chunks` (`chunked.py`) cuts the `[N, V]` logits into chunks of tokens. Each chunk's
+backward adds a rank-`n` update `g.T @ h` into the whole `[V, H]` weight gradient, which is read
+and written once per chunk: at a small chunk that traffic, not the arithmetic, sets the pace
+(`bench/memory.py --chunk-mib`: 1.59x slower at 8 MiB than at 256 MiB on Qwen's vocabulary).
+
+Here the cut runs across the vocabulary instead. A tile is `[R, Vt]` logits of R rows (all of
+them, where the budget allows) and Vt vocabulary entries:
+
+- forward: an online log-sum-exp over the tiles (as flash attention's softmax), and the
+  targets' logits picked from the tile that holds them; only the rows' `[R]` log-normalisers
+  are saved;
+- backward: each tile's logits are recomputed, its gradient is the closed form
+  `(scatter(grad, targets) - grad.sum() * softmax(x)) / temperature` with the saved
+  log-normaliser, and the LM head's two matmuls follow: `grad_W[tile] = g.T @ h`, a product over
+  all R rows written once into its own rows of the weight gradient, and `grad_h += g @ W[tile]`.
+
+Both passes compute a tile's logits with the same matmul shape, so the softmax the backward
+rebuilds is the one the forward normalised. The arithmetic is that of the chunked path (one
+logits matmul forward; logits, `grad_h` and `grad_W` backward); only the order differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from .logprobs import scaled_logits, upcast
+
+#: The narrowest vocabulary tile a budget is cut into before the rows are split too.
+MIN_TILE = 256
+
+
+def tile_shape(n_rows: int, vocab: int, elements: int) -> tuple[int, int]:
+    """`(rows, tile)` of the `[rows, tile]` logits a budget of `elements` allows: all rows
+    where a tile of at least `MIN_TILE` (or the whole vocabulary) still fits, else fewer rows."""
+    rows = max(1, min(n_rows, elements // min(MIN_TILE, vocab)))
+    return rows, max(1, min(vocab, elements // rows))
+
+
+class _TiledLogprobs(torch.autograd.Function):
+    """Log-probs of `softmax(scaled_logits(hidden @ weight.T, T))` at `targets` (`[N]` or
+    `[N, K]`), in `[rows, tile]` pieces (see the module docstring). Under autocast the matmuls
+    run in the autocast dtype, as in `_LMHeadInChunks`. Not twice differentiable."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,  # [N, H]
+        weight: Tensor,  # [V, H]
+        targets: Tensor,  # [N] or [N, K] long
+        temperature: float,
+        elements: int,
+    ) -> Tensor:  # like targets, float
+        device = hidden.device.type
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+        if not autocast and weight.dtype != hidden.dtype:
+            raise ValueError(
+                f"hidden ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same "
+                "dtype (or run under autocast)"
+            )
+        n, vocab = hidden.shape[0], weight.shape[0]
+        rows, tile = tile_shape(n, vocab, elements)
+        out_dtype = upcast(hidden[:0]).dtype
+        tg = targets if targets.dim() == 2 else targets[:, None]  # [N, K]
+        lse = torch.empty(n, dtype=out_dtype, device=hidden.device)
+        picked = torch.zeros(tg.shape, dtype=out_dtype, device=hidden.device)
+        w = weight.to(dtype)
+        with torch.autocast(device, enabled=False):
+            for r in range(0, n, rows):
+                h, t = hidden[r : r + rows].to(dtype), tg[r : r + rows]
+                top = torch.full((h.shape[0],), -torch.inf, dtype=out_dtype, device=h.device)
+                total = torch.zeros_like(top)
+                for v in range(0, vocab, tile):
+                    x = scaled_logits(h @ w[v : v + tile].T, temperature)  # [rows, tile]
+                    new_top = torch.maximum(top, x.amax(-1))
+                    total = total * (top - new_top).exp() + (x - new_top[:, None]).exp().sum(-1)
+                    top = new_top
+                    inside = (t >= v) & (t < v + x.shape[1])
+                    at = x.gather(-1, (t - v).clamp(0, x.shape[1] - 1))
+                    picked[r : r + rows] = torch.where(inside, at, picked[r : r + rows])
+                lse[r : r + rows] = top + total.log()
+        ctx.save_for_backward(hidden, weight, tg, lse)
+        ctx.temperature, ctx.shape = temperature, (rows, tile)
+        ctx.autocast = (device, dtype)
+        return (picked - lse[:, None]).view(*targets.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, tg, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        device, dtype = ctx.autocast
+        temperature, (rows, tile) = ctx.temperature, ctx.shape
+        n, vocab = hidden.shape[0], weight.shape[0]
+        scale = grad.to(lse.dtype).reshape(tg.shape) / temperature  # [N, K]
+        total = scale.sum(-1, keepdim=True)  # [N, 1]
+        w = weight.to(dtype)
+        grad_h = (
+            torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
+        )
+        grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        with torch.autocast(device, enabled=False):
+            for r in range(0, n, rows):
+                h, t, s = hidden[r : r + rows].to(dtype), tg[r : r + rows], scale[r : r + rows]
+                for v in range(0, vocab, tile):
+                    wv = w[v : v + tile]
+                    x = scaled_logits(h @ wv.T, temperature)  # [rows, tile]
+                    p = x.sub_(lse[r : r + rows, None]).exp_().mul_(-total[r : r + rows])
+                    inside = (t >= v) & (t < v + p.shape[1])
+                    p.scatter_add_(-1, (t - v).clamp(0, p.shape[1] - 1), s * inside)
+                    g = p.to(dtype)
+                    if grad_h is not None and grad_h.dtype == dtype:
+                        grad_h[r : r + rows].addmm_(g, wv)
+                    elif grad_h is not None:  # bf16 products summed in fp32
+                        grad_h[r : r + rows] += g @ wv
+                    if grad_w is None:
+                        continue
+                    if grad_w.dtype == dtype:
+                        grad_w[v : v + tile].addmm_(g.T, h)
+                    else:  # an fp32 master weight under bf16 autocast: as autocast's backward
+                        grad_w[v : v + tile] += g.T @ h
+        if grad_h is not None:
+            grad_h = grad_h.to(hidden.dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def tiled_logprobs(
+    hidden: Tensor,  # [N, H]
+    weight: Tensor,  # [V, H]
+    targets: Tensor,  # [N] or [N, K] long
+    temperature: float,
+    elements: int,
+) -> Tensor:  # like targets: float32 (float64 for float64 hidden)
+    """Log-probs of `softmax(hidden @ weight.T / temperature)` (logits floored as
+    `scaled_logits` floors them) at `targets`, with gradients for `hidden` and `weight`, never
+    holding more than about `elements` logits at once (see the module docstring). With N = 0
+    the result is empty and still attached to the graph."""
+    out = _TiledLogprobs.apply(hidden, weight, targets, temperature, elements)  # type: ignore[no-untyped-call]  # untyped in torch
+    return cast(Tensor, out)
