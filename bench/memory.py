@@ -4,6 +4,7 @@
     python bench/memory.py --shapes 16x160 --hidden 64 --mmap-threshold
     python bench/memory.py --micro-rows 8 32 128 [--micro-T 64] [--micro-tokens 512] [--repeats 5]
     python bench/memory.py --chunk-mib 4 8 16 32 64 128 [--shapes 16x160] [--hidden 896]
+        [--chunk-heads all|dr_grpo]
     python bench/memory.py --smoke [--micro-rows 4] [--chunk-mib 0.01 0.05]
 
 A Qwen2.5-0.5B-wide policy (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV heads,
@@ -47,7 +48,10 @@ moves between identical runs (1.01–1.34 GiB at 32 x 160, docs/benchmarks/memor
 a chunk, i.e. `chunk_size` = MiB * 2**18 / V tokens): its extra memory should fall as the chunk
 shrinks (only one chunk's `[n, V]` logits are alive, in the forward and in the recompute) and
 its time should not grow until the chunks are too small to amortise one pass over the `[V, H]`
-weight gradient each (`training/hidden.py`'s H / 8 floor).
+weight gradient each (`training/hidden.py`'s H / 8 floor). `--chunk-heads dr_grpo`: Dr. GRPO
+alone, whose log-probs run in vocabulary tiles of the same memory (`functional/vocab_tiles.py`),
+where the time should not grow at all; with every head, SDPO's JSD and the entropies keep the
+chunks of tokens.
 
 `--smoke`: the same runs on a policy of tiny widths (`SMOKE_WIDTHS`), one step of 4 x 32 on
 one thread (`--micro-rows`: T = 32, micro-batches of 64 tokens): a check that every path of the
@@ -245,6 +249,8 @@ def worker(
         (FullLogitsSDPO if path == "full" else SDPOHead)(weight=0.1),
         replay,
     ]
+    if path == "dr_grpo":  # the log-probs alone (`--chunk-heads dr_grpo`)
+        heads, path = heads[:1], "chunked"
     cls = FullLogitsModule if path == "full" else ComposerModule
     micro = {}
     if path.startswith("micro"):  # micro<N>: micro-batches of at most N padded tokens
@@ -402,6 +408,12 @@ def main() -> None:
         type=float,
         default=None,
         help="instead: the chunked path alone at these LM-head chunk sizes (MiB of fp32 logits)",
+    )
+    ap.add_argument(
+        "--chunk-heads",
+        choices=["all", "dr_grpo"],
+        default="all",
+        help="--chunk-mib's heads: all (the default) or Dr. GRPO alone (the log-probs' path)",
     )
     ap.add_argument("--chunk-size", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", nargs=2, metavar=("PATH", "BxT"), help=argparse.SUPPRESS)
@@ -627,7 +639,8 @@ def chunk_table(args: argparse.Namespace, widths: dict) -> list[dict]:
     runs = []
     print(
         f"policy {widths} + frozen reference copy; AdamW; {args.threads} thread(s); median of "
-        f"{args.steps} step(s); activation checkpointing {'on' if ckpt else 'off'}; "
+        f"{args.steps} step(s); heads: {args.chunk_heads}; "
+        f"activation checkpointing {'on' if ckpt else 'off'}; "
         f"{malloc_in_use()} (the workers inherit its LD_PRELOAD)"
     )
     print(
@@ -640,9 +653,8 @@ def chunk_table(args: argparse.Namespace, widths: dict) -> list[dict]:
         rows = []
         for mib in args.chunk_mib:
             tokens = max(1, round(mib * 2**20 / 4 / vocab))
-            r = run(
-                "chunked", B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden, tokens
-            )
+            path = "chunked" if args.chunk_heads == "all" else args.chunk_heads
+            r = run(path, B, T, args.steps, args.threads, ckpt, args.smoke, args.hidden, tokens)
             print(json.dumps({"shape": shape, "chunk_mib": mib, "run": r}), file=sys.stderr)
             rows.append((mib, tokens, r))
             runs.append(r)

@@ -191,6 +191,17 @@ SMOKES = {
         ),
         agree=("small", "large"),
     ),
+    # the same with Dr. GRPO alone, whose log-probs run in vocabulary tiles: the loss agrees too
+    "memory_tiles": Smoke(
+        "memory.py",
+        "--smoke --chunk-mib 0.01 0.05 --chunk-heads dr_grpo",
+        (
+            r"heads: dr_grpo;",
+            rf"^\| 4x32 \| 0.01 \| 5 \| {NUM} GiB \| {NUM} GiB \| {NUM} GiB \| {NUM} \| {NUM} \| (?P<small>{NUM}) \|$",
+            rf"^\| 4x32 \| 0.05 \| 26 \| {NUM} GiB \| {NUM} GiB \| {NUM} GiB \| {NUM} \| 1.00 \| (?P<large>{NUM}) \|$",
+        ),
+        agree=("small", "large"),
+    ),
     # 1 and 2 clients, 2 requests of 2 tokens, through the endpoint batched and one at a time
     "serve_load": Smoke(
         "serve_load.py",
