@@ -8,9 +8,9 @@ and written once per chunk: at a small chunk that traffic, not the arithmetic, s
 Here the cut runs across the vocabulary instead. A tile is `[R, Vt]` logits of R rows (all of
 them, where the budget allows) and Vt vocabulary entries:
 
-- forward: an online log-sum-exp over the tiles (as flash attention's softmax), and the
-  targets' logits picked from the tile that holds them; only the rows' `[R]` log-normalisers
-  are saved;
+- forward: an online log-sum-exp over the tiles (each tile's, fused, added with
+  `logaddexp`), and the targets' logits picked from the tile that holds them; only the rows'
+  `[R]` log-normalisers are saved;
 - backward: each tile's logits are recomputed, its gradient is the closed form
   `(scatter(grad, targets) - grad.sum() * softmax(x)) / temperature` with the saved
   log-normaliser, and the LM head's two matmuls follow: `grad_W[tile] = g.T @ h`, a product over
@@ -73,17 +73,14 @@ class _TiledLogprobs(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             for r in range(0, n, rows):
                 h, t = hidden[r : r + rows].to(dtype), tg[r : r + rows]
-                top = torch.full((h.shape[0],), -torch.inf, dtype=out_dtype, device=h.device)
-                total = torch.zeros_like(top)
+                norm = torch.full((h.shape[0],), -torch.inf, dtype=out_dtype, device=h.device)
                 for v in range(0, vocab, tile):
                     x = scaled_logits(h @ w[v : v + tile].T, temperature)  # [rows, tile]
-                    new_top = torch.maximum(top, x.amax(-1))
-                    total = total * (top - new_top).exp() + (x - new_top[:, None]).exp().sum(-1)
-                    top = new_top
+                    norm = torch.logaddexp(norm, torch.logsumexp(x, dim=-1))  # online
                     inside = (t >= v) & (t < v + x.shape[1])
                     at = x.gather(-1, (t - v).clamp(0, x.shape[1] - 1))
                     picked[r : r + rows] = torch.where(inside, at, picked[r : r + rows])
-                lse[r : r + rows] = top + total.log()
+                lse[r : r + rows] = norm
         ctx.save_for_backward(hidden, weight, tg, lse)
         ctx.temperature, ctx.shape = temperature, (rows, tile)
         ctx.autocast = (device, dtype)
