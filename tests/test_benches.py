@@ -227,6 +227,19 @@ SMOKES = {
         ),
         vllm=True,
     ),
+    # the LM head alone at two budgets, token chunks and vocabulary tiles, fp32 and bf16: every
+    # time and working set filled, the two paths' log-probs within fp32's rounding
+    "lm_head": Smoke(
+        "lm_head.py",
+        "--smoke",
+        tuple(
+            rf"^\| {p} \| {mib} \| {n} \| {path} \| {POS} \| {POS} \| {POS} \| "
+            + (r" \|$" if path == "tokens" else rf"\d\.\de-0[6-9], {NUM}e-\d+ \|$")
+            for p in ("fp32", "bf16")
+            for mib, n in (("0.05", 4), ("0.5", 44))
+            for path in ("tokens", "tiles")
+        ),
+    ),
     # the tiny policy's matmul shapes and one 4 x 32 update, fp32 and bf16: every rate filled
     "roofline": Smoke(
         "roofline.py",
