@@ -22,10 +22,7 @@ fp32 weights, as `trainer.precision: bf16-mixed` runs it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.roofline import _timed as timed  # noqa: E402
 from composer_lightning.functional.chunked import (  # noqa: E402
     _chunk_logprobs,
     lm_head_in_chunks,
@@ -86,16 +84,6 @@ def step(
     lp.sum().backward()
     assert w.grad is not None
     return lp.detach(), w.grad
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

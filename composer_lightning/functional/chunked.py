@@ -29,7 +29,7 @@ from torch import Tensor
 from ._checks import as_bool_mask, check_ndim, check_range, shape_str
 from .jsd import check_jsd_options, generalized_jsd_per_token
 from .logprobs import check_logits_and_ids, logit_floor, scaled_logits, upcast
-from .vocab_tiles import tiled_logprobs
+from .vocab_tiles import head_dtype, tiled_logprobs
 
 #: What a chunk function returns: one tensor, or a tuple whose first is differentiated.
 _Out = TypeVar("_Out", bound=Tensor | tuple[Tensor, ...])
@@ -75,14 +75,7 @@ class _LMHeadInChunks(torch.autograd.Function):
         *rest: Any,
     ) -> Tensor | tuple[Tensor, ...]:
         rows, consts = rest[:n_rows], rest[n_rows:]
-        device = hidden.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
-        if not autocast and weight.dtype != hidden.dtype:
-            raise ValueError(
-                f"hidden ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same "
-                "dtype (or run under autocast)"
-            )
+        device, dtype, autocast = head_dtype(hidden, weight)
         ctx.fn, ctx.grad_fn, ctx.chunk_size, ctx.consts = fn, grad_fn, chunk_size, consts
         ctx.autocast, ctx.dtype = (device, dtype, autocast), dtype
         ctx.save_for_backward(hidden, weight, *rows)

@@ -41,6 +41,19 @@ def tile_shape(n_rows: int, vocab: int, elements: int) -> tuple[int, int]:
     return rows, max(1, min(vocab, elements // rows))
 
 
+def head_dtype(hidden: Tensor, weight: Tensor) -> tuple[str, torch.dtype, bool]:
+    """`(device type, the dtype the LM head's matmuls run in, autocast on)`: autocast's dtype
+    where it is on, as autocast would run them; else the inputs', which must then agree."""
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device)
+    if not autocast and weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same "
+            "dtype (or run under autocast)"
+        )
+    return device, torch.get_autocast_dtype(device) if autocast else hidden.dtype, autocast
+
+
 class _TiledLogprobs(torch.autograd.Function):
     """Log-probs of `softmax(scaled_logits(hidden @ weight.T, T))` at `targets` (`[N]` or
     `[N, K]`), in `[rows, tile]` pieces (see the module docstring). Under autocast the matmuls
@@ -55,14 +68,7 @@ class _TiledLogprobs(torch.autograd.Function):
         temperature: float,
         elements: int,
     ) -> Tensor:  # like targets, float
-        device = hidden.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
-        if not autocast and weight.dtype != hidden.dtype:
-            raise ValueError(
-                f"hidden ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same "
-                "dtype (or run under autocast)"
-            )
+        device, dtype, _ = head_dtype(hidden, weight)
         n, vocab = hidden.shape[0], weight.shape[0]
         rows, tile = tile_shape(n, vocab, elements)
         out_dtype = upcast(hidden[:0]).dtype
