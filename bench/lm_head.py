@@ -39,9 +39,11 @@ from bench.roofline import _timed as timed  # noqa: E402
 from composer_lightning.functional.chunked import (  # noqa: E402
     _chunk_logprobs,
     lm_head_in_chunks,
-    logprobs_logits_grad,
 )
-from composer_lightning.functional.vocab_tiles import tiled_logprobs  # noqa: E402
+from composer_lightning.functional.vocab_tiles import (  # noqa: E402
+    logprobs_logits_grad,
+    tiled_logprobs,
+)
 
 MiB = 2**20
 

@@ -121,6 +121,7 @@ def update_times(
         chunked_logprobs_from_hidden,
         lm_head_in_chunks,
     )
+    from composer_lightning.functional.vocab_tiles import logprobs_logits_grad
     from composer_lightning.training.hidden import chunk_tokens, final_hidden
 
     generator = torch.Generator().manual_seed(seed)
@@ -165,7 +166,7 @@ def update_times(
                 (ids[:, 1:][mask[:, 1:]],),
                 (1.0,),
                 chunk_tokens(weight, None),
-                chunked.logprobs_logits_grad,
+                logprobs_logits_grad,
             ).mean()
         t6 = clock()
         loss.backward()

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ._checks import as_bool_mask, check_ndim, check_range, shape_str
 from .jsd import check_jsd_options, generalized_jsd_per_token
-from .logprobs import check_logits_and_ids, logit_floor, scaled_logits, upcast
+from .logprobs import check_logits_and_ids, scaled_logits, upcast
 from .vocab_tiles import head_dtype, tiled_logprobs
 
 #: What a chunk function returns: one tensor, or a tuple whose first is differentiated.
@@ -153,30 +153,10 @@ def _chunk_logprobs(
     targets: Tensor,  # [n] long
     temperature: float,
 ) -> Tensor:  # [n]
+    """One chunk of tokens' log-probs: the benches' token-chunk baseline (`bench/roofline.py`,
+    `bench/lm_head.py`); the library's log-probs run in vocabulary tiles (`_tiled_logprobs`)."""
     x = scaled_logits(logits, temperature)  # [n, V]
     return x.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
-
-
-def logprobs_logits_grad(
-    logits: Tensor,  # [n, V]
-    grad: Tensor,  # [n] or [n, K]
-    targets: Tensor,  # like grad, long
-    temperature: float,
-) -> Tensor:  # [n, V] float32 (float64 for float64 logits)
-    """The gradient of `(lp * grad).sum()` with respect to the logits, where `lp` are the
-    log-probs at `targets` of `softmax(x)`, `x` the scaled, floored logits (`scaled_logits`):
-    `(scatter(grad, targets) - grad.sum(-1) * softmax(x)) / temperature`, on one `[n, V]`
-    buffer. One target a row (`[n]`) or several (`[n, K]`; a repeated id gets each share)."""
-    x = upcast(logits)
-    x = x.clone() if x is logits else x  # [n, V]: the buffer everything below writes into
-    if temperature != 1.0:
-        x.div_(temperature)
-    x.clamp_(min=logit_floor(x.dtype))  # as `scaled_logits` floors -inf
-    p = torch.softmax(x, dim=-1)  # one fused pass
-    del x
-    scale = grad.to(p.dtype).reshape(p.shape[0], -1) / temperature  # [n, K]
-    p.mul_(-scale.sum(-1, keepdim=True))
-    return p.scatter_add_(-1, targets.reshape(p.shape[0], -1), scale)
 
 
 def _chunk_entropy(
@@ -197,8 +177,30 @@ def _check_chunk_size(chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
 
 
+def _tiled_logprobs(
+    hidden: Tensor,  # [N, H]
+    weight: Tensor,  # [V, H]
+    targets: Tensor,  # [N] long
+    temperature: float,
+    chunk_size: int,
+) -> Tensor:  # [N]
+    """The rows' log-probs in vocabulary tiles of `chunk_size` x V logits (`vocab_tiles.py`)."""
+    return tiled_logprobs(hidden, weight, targets, temperature, chunk_size * weight.shape[0])
+
+
+def _chunked_entropy(
+    hidden: Tensor,  # [N, H]
+    weight: Tensor,  # [V, H]
+    targets: Tensor,  # [N], unused
+    temperature: float,
+    chunk_size: int,
+) -> Tensor:  # [N]
+    """The rows' entropies in chunks of `chunk_size` tokens."""
+    return lm_head_in_chunks(_chunk_entropy, hidden, weight, (targets,), (temperature,), chunk_size)
+
+
 def _chunked(
-    fn: Callable[[Tensor, Tensor, float], Tensor],
+    values_of: Callable[[Tensor, Tensor, Tensor, float, int], Tensor],
     hidden: Tensor,  # [B, T, H]
     weight: Tensor,  # [V, H]
     input_ids: Tensor,  # [B, T]
@@ -214,7 +216,6 @@ def _chunked(
             f"lm_head_weight {shape_str(weight)} must be [V, H] for hidden {shape_str(hidden)}"
         )
     b, t, h = hidden.shape
-    v = weight.shape[0]
     if mask is not None and tuple(mask.shape) != (b, t):
         raise ValueError(f"mask {shape_str(mask)} must be [B, T] = {[b, t]} like hidden")
     out_dtype = upcast(hidden[:0]).dtype
@@ -224,12 +225,7 @@ def _chunked(
     sel = None if mask is None else as_bool_mask(mask)[:, 1:]  # [B, T-1]
     flat_hidden = hidden[:, :-1].reshape(-1, h) if sel is None else hidden[:, :-1][sel]  # [N, H]
     flat_targets = input_ids[:, 1:].reshape(-1) if sel is None else input_ids[:, 1:][sel]  # [N]
-    if fn is _chunk_logprobs:  # in vocabulary tiles of the same memory (`vocab_tiles.py`)
-        values = tiled_logprobs(flat_hidden, weight, flat_targets, temperature, chunk_size * v)
-    else:
-        values = lm_head_in_chunks(
-            fn, flat_hidden, weight, (flat_targets,), (temperature,), chunk_size
-        )  # [N]
+    values = values_of(flat_hidden, weight, flat_targets, temperature, chunk_size)  # [N]
     if sel is None:
         return F.pad(values.view(b, t - 1), (1, 0))
     zeros = torch.zeros(b, t - 1, dtype=values.dtype, device=values.device)
@@ -260,7 +256,7 @@ def chunked_logprobs_from_hidden(
     """
     check_logits_and_ids(hidden, input_ids, "hidden")
     return _chunked(
-        _chunk_logprobs, hidden, lm_head_weight, input_ids, temperature, chunk_size, mask
+        _tiled_logprobs, hidden, lm_head_weight, input_ids, temperature, chunk_size, mask
     )
 
 
@@ -286,7 +282,7 @@ def chunked_entropy_from_hidden(
     check_ndim("hidden", hidden, (3,))
     dummy_ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
     return _chunked(
-        _chunk_entropy, hidden, lm_head_weight, dummy_ids, temperature, chunk_size, mask
+        _chunked_entropy, hidden, lm_head_weight, dummy_ids, temperature, chunk_size, mask
     )
 
 

@@ -13,8 +13,9 @@ them, where the budget allows) and Vt vocabulary entries:
   `[R]` log-normalisers are saved;
 - backward: each tile's logits are recomputed, its gradient is the closed form
   `(scatter(grad, targets) - grad.sum() * softmax(x)) / temperature` with the saved
-  log-normaliser, and the LM head's two matmuls follow: `grad_W[tile] = g.T @ h`, a product over
-  all R rows written once into its own rows of the weight gradient, and `grad_h += g @ W[tile]`.
+  log-normaliser (`logprobs_logits_grad`, which the token chunks' baseline takes over whole
+  rows), and the LM head's two matmuls follow: `grad_W[tile] = g.T @ h`, a product over all R
+  rows written once into its own rows of the weight gradient, and `grad_h += g @ W[tile]`.
 
 Both passes compute a tile's logits with the same matmul shape, so the softmax the backward
 rebuilds is the one the forward normalised. The arithmetic is that of the chunked path (one
@@ -28,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from .logprobs import scaled_logits, upcast
+from .logprobs import logit_floor, scaled_logits, upcast
 
 #: The narrowest vocabulary tile a budget is cut into before the rows are split too.
 MIN_TILE = 256
@@ -52,6 +53,34 @@ def head_dtype(hidden: Tensor, weight: Tensor) -> tuple[str, torch.dtype, bool]:
             "dtype (or run under autocast)"
         )
     return device, torch.get_autocast_dtype(device) if autocast else hidden.dtype, autocast
+
+
+def logprobs_logits_grad(
+    logits: Tensor,  # [n, V] or a tile [n, Vt] of it
+    grad: Tensor,  # [n] or [n, K]
+    targets: Tensor,  # like grad, long
+    temperature: float,
+    lse: Tensor | None = None,  # [n] the rows' log-normaliser, for a tile
+    offset: int = 0,  # the tile's first vocabulary id
+) -> Tensor:  # like logits, float32 (float64 for float64 logits)
+    """The gradient of `(lp * grad).sum()` with respect to the logits, where `lp` are the
+    log-probs at `targets` of `softmax(x)`, `x` the scaled, floored logits (`scaled_logits`):
+    `(scatter(grad, targets) - grad.sum(-1) * softmax(x)) / temperature`, on one buffer. One
+    target a row (`[n]`) or several (`[n, K]`; a repeated id gets each share). With `lse`,
+    `logits` are the columns `offset, offset + 1, ...` of the full rows: the softmax is
+    `exp(x - lse)`, and only the targets in the tile are scattered."""
+    x = upcast(logits)
+    x = x.clone() if x is logits else x  # the buffer everything below writes into
+    if temperature != 1.0:
+        x.div_(temperature)
+    x.clamp_(min=logit_floor(x.dtype))  # as `scaled_logits` floors -inf
+    p = torch.softmax(x, dim=-1) if lse is None else x.sub_(lse[:, None]).exp_()
+    del x
+    scale = grad.to(p.dtype).reshape(p.shape[0], -1) / temperature  # [n, K]
+    p.mul_(-scale.sum(-1, keepdim=True))
+    at = targets.reshape(p.shape[0], -1) - offset
+    inside = (at >= 0) & (at < p.shape[1])
+    return p.scatter_add_(-1, at.clamp(0, p.shape[1] - 1), scale * inside)
 
 
 class _TiledLogprobs(torch.autograd.Function):
@@ -99,8 +128,7 @@ class _TiledLogprobs(torch.autograd.Function):
         device, dtype = ctx.autocast
         temperature, (rows, tile) = ctx.temperature, ctx.shape
         n, vocab = hidden.shape[0], weight.shape[0]
-        scale = grad.to(lse.dtype).reshape(tg.shape) / temperature  # [N, K]
-        total = scale.sum(-1, keepdim=True)  # [N, 1]
+        grad = grad.reshape(tg.shape)  # [N, K]
         w = weight.to(dtype)
         grad_h = (
             torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
@@ -108,14 +136,11 @@ class _TiledLogprobs(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None
         with torch.autocast(device, enabled=False):
             for r in range(0, n, rows):
-                h, t, s = hidden[r : r + rows].to(dtype), tg[r : r + rows], scale[r : r + rows]
+                h, t, gr = hidden[r : r + rows].to(dtype), tg[r : r + rows], grad[r : r + rows]
                 for v in range(0, vocab, tile):
                     wv = w[v : v + tile]
-                    x = scaled_logits(h @ wv.T, temperature)  # [rows, tile]
-                    p = x.sub_(lse[r : r + rows, None]).exp_().mul_(-total[r : r + rows])
-                    inside = (t >= v) & (t < v + p.shape[1])
-                    p.scatter_add_(-1, (t - v).clamp(0, p.shape[1] - 1), s * inside)
-                    g = p.to(dtype)
+                    g = logprobs_logits_grad(h @ wv.T, gr, t, temperature, lse[r : r + rows], v)
+                    g = g.to(dtype)  # [rows, tile]
                     if grad_h is not None and grad_h.dtype == dtype:
                         grad_h[r : r + rows].addmm_(g, wv)
                     elif grad_h is not None:  # bf16 products summed in fp32

@@ -369,12 +369,12 @@ def test_the_default_chunk_is_small_on_cpu_and_large_on_an_accelerator():
 @pytest.mark.parametrize("tau", [1.0, 0.6])
 @pytest.mark.parametrize("k", [None, 3])
 def test_the_log_probs_closed_form_gradient_equals_autograd(tau, k):
-    """`logprobs_logits_grad`, which the chunked backward uses in place of autograd for
-    log-probs, equals autograd through the log-probs in float64: with -inf logits (a masked
+    """`logprobs_logits_grad`, which the vocabulary tiles' backward (and the token chunks'
+    baseline) uses in place of autograd for log-probs, over whole rows, equals autograd through the log-probs in float64: with -inf logits (a masked
     vocabulary), a temperature, one target a row or several with a repeated id. From bf16
     logits it is float32 and equals autograd's float32 gradient before the cast back."""
-    from composer_lightning.functional.chunked import logprobs_logits_grad
     from composer_lightning.functional.logprobs import scaled_logits
+    from composer_lightning.functional.vocab_tiles import logprobs_logits_grad
 
     g = torch.Generator().manual_seed(7)
     n, v = 5, 13
